@@ -1,0 +1,258 @@
+"""The `smoe` command line. Each subcommand is a thin shell over the Python API.
+
+User mistakes (SmoeError) print one line and exit 2; Ctrl-C or SIGTERM exit 130 after
+the running command has cleaned up after itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from smoe.errors import SmoeError
+
+
+def _progress_bar(desc: str, quiet: bool) -> Callable[[str, int, int], None] | None:
+    """A tqdm-backed progress callback (stage, done, total), or None when quiet."""
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(
+                total=total,
+                desc=f"{desc} {stage}",
+                unit="layer" if stage == "experts" else "part",
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from smoe.units import format_bytes
+    from smoe.vault.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(
+        bits=args.bits,
+        group_size=args.group_size,
+        dtype=args.dtype,
+        backbone_bits=args.backbone_bits,
+        backbone_group_size=args.backbone_group_size,
+        force=args.force,
+    )
+    start = time.perf_counter()
+    vault = convert(args.src, args.vault, opts, _progress_bar("convert", args.quiet))
+    seconds = time.perf_counter() - start
+    m = vault.manifest
+    src_bytes = m.source["bytes"]
+    print(
+        f"wrote {vault.path}: {m.num_records} expert records of {format_bytes(m.record.size)}, "
+        f"backbone {format_bytes(m.backbone['bytes'])}, in {seconds:.1f} s "
+        f"({src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source)"
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from smoe.vault.format import Vault
+    from smoe.vault.inspect import render, summary, verify
+
+    vault = Vault.open(args.vault)
+    info = summary(vault)
+    bad = None
+    if args.verify:
+        bar = None
+        if not args.quiet and not args.json:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=vault.manifest.num_records,
+                desc="verify",
+                unit="record",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+        def tick(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(done - bar.n)
+
+        bad = verify(vault, tick)
+        if bar is not None:
+            bar.close()
+        info["verify"] = {
+            "records": vault.manifest.num_records,
+            "bad": [{"layer": b.layer, "expert": b.expert, "index": b.index} for b in bad],
+            "ok": not bad,
+        }
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(render(info))
+        if bad is not None:
+            if bad:
+                for b in bad:
+                    print(
+                        f"BAD record: layer {b.layer}, expert {b.expert} (record {b.index}): "
+                        f"checksum {b.actual:08x}, expected {b.expected:08x}"
+                    )
+                print(
+                    f"verify: {len(bad)} of {vault.manifest.num_records} records are corrupt; "
+                    "convert the model again"
+                )
+            else:
+                print(f"verify: all {vault.manifest.num_records} records match their checksums")
+    return 1 if bad else 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from smoe.synth import synthesize
+
+    bar = _progress_bar("synth", args.quiet)
+    out = synthesize(
+        Path(args.out),
+        arch=args.arch,
+        preset=args.preset,
+        layers=args.layers,
+        seed=args.seed,
+        dtype=args.dtype,
+        force=args.force,
+        progress=bar,
+    )
+    print(f"wrote checkpoint {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from smoe.vault.export import export_mlx
+    from smoe.vault.format import Vault
+
+    out = export_mlx(Vault.open(args.vault), args.out, force=args.force)
+    print(f"wrote mlx-lm model {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
+
+    p = argparse.ArgumentParser(
+        prog="smoe",
+        description="Run Mixture-of-Experts models larger than memory, streaming experts "
+        "from an SSD vault, with output identical to running them in memory.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a Hugging Face or MLX checkpoint into a vault")
+    c.add_argument("src", type=Path, help="checkpoint folder (config.json + *.safetensors)")
+    c.add_argument("vault", type=Path, help="vault folder to create")
+    c.add_argument(
+        "--bits",
+        type=int,
+        choices=BITS_CHOICES,
+        default=None,
+        help="expert quantization (default 4; 16 keeps float weights; "
+        "MLX-quantized sources are copied as they are)",
+    )
+    c.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_CHOICES,
+        default=None,
+        help="quantization group size (default 64)",
+    )
+    c.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of float tensors (default: the source's; float32 suits the CPU)",
+    )
+    c.add_argument(
+        "--backbone-bits",
+        type=int,
+        choices=BITS_CHOICES[:-1],
+        default=None,
+        help="also quantize the backbone's linear layers (routers stay float)",
+    )
+    c.add_argument("--backbone-group-size", type=int, choices=GROUP_CHOICES, default=64)
+    c.add_argument("--force", action="store_true", help="replace an existing vault")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("inspect", help="describe a vault; --verify re-checks every record")
+    i.add_argument("vault", type=Path)
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every record and check its checksum (exit 1 if any is bad)",
+    )
+    i.add_argument("--quiet", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    # synth's choices are checked by synthesize(): importing it here would load torch.
+    s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")
+    s.add_argument("out", type=Path)
+    s.add_argument(
+        "--arch",
+        default="qwen3_moe",
+        help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss",
+    )
+    s.add_argument(
+        "--preset",
+        default="tiny",
+        help="tiny (default), demo, qwen3-30b-a3b, qwen3-235b-a22b (real expert "
+        "geometry, few layers)",
+    )
+    s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    s.add_argument("--force", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_synth)
+
+    e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
+    e.add_argument("vault", type=Path)
+    e.add_argument("out", type=Path)
+    e.add_argument("--force", action="store_true")
+    e.set_defaults(func=cmd_export)
+    return p
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up temp output on kill too
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SmoeError as e:
+        print(f"smoe {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"smoe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Read records back into stacked expert tensors; export a vault as an mlx-lm model folder.
+
+The export is what mlx-lm itself loads (``mlx_lm.load``): the in-memory reference that
+S-MoE's streamed output is compared with. It needs memory for the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from smoe.errors import SmoeError
+from smoe.fsutil import remove_tree, replace_dir, write_json_atomic
+from smoe.vault.format import MANIFEST, STATS_DIR, Vault
+from smoe.vault.tensorfile import write_safetensors
+
+
+def read_layer(vault: Vault, layer: int) -> dict[str, mx.array]:
+    """One MoE layer's experts from experts.bin, as {component: [E, ...]} arrays."""
+    m = vault.manifest
+    n, stride = m.num_experts, m.record.stride
+    buf = np.empty((n, stride), dtype=np.uint8)
+    with open(vault.experts_path, "rb") as f:
+        f.seek(m.layer_position(layer) * n * stride)
+        if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
+            raise SmoeError(f"{vault.experts_path} is truncated; run 'smoe inspect --verify'")
+    out = {}
+    for c in m.record.components:
+        raw = mx.array(np.ascontiguousarray(buf[:, c.offset : c.offset + c.nbytes]))
+        out[c.name] = raw.view(getattr(mx, c.dtype)).reshape(n, *c.shape)
+    return out
+
+
+def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
+    """Write an mlx-lm model folder (config, tokenizer, one model.safetensors) for ``vault``."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise SmoeError(f"{out} exists; pass --force to replace it")
+    tmp = out.with_name(f".{out.name}.exporting-{os.getpid()}")
+    remove_tree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = dict(mx.load(str(vault.backbone_path)))
+        for spec in vault.manifest.layers:
+            for name, a in read_layer(vault, spec.layer).items():
+                tensors[f"{spec.module}.{name}"] = a
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "mlx"})
+        write_json_atomic(tmp / "config.json", vault.config())
+        for p in vault.path.iterdir():
+            if (
+                p.is_file()
+                and p.name not in {MANIFEST, "config.json"}
+                and p.suffix != ".bin"
+                and p.name != vault.backbone_path.name
+                and p.name != STATS_DIR
+            ):
+                shutil.copyfile(p, tmp / p.name)
+        replace_dir(tmp, out)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    return out

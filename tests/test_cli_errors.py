@@ -1,0 +1,143 @@
+"""Bad input through the CLI: one line naming the problem and the fix, exit 2, no
+traceback, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import edit_json, make_hf_checkpoint
+
+
+def assert_clean_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_shard(hf_dir, copy_dir, tmp_path, run_cli):
+    ck = copy_dir(hf_dir("qwen3_moe"))
+    (ck / "model.safetensors").rename(ck / "model-00001-of-00002.safetensors")
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli("convert", ck, tmp_path / "v")
+    assert_clean_error(code, err, "model-00002-of-00002.safetensors", "download")
+    assert not (tmp_path / "v").exists()
+
+
+def test_truncated_shard(hf_dir, copy_dir, tmp_path, run_cli):
+    ck = copy_dir(hf_dir("qwen3_moe"))
+    shard = ck / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    code, _, err = run_cli("convert", ck, tmp_path / "v")
+    assert_clean_error(code, err, "truncated", "download it again")
+
+
+def test_config_contradicts_tensors(hf_dir, copy_dir, tmp_path, run_cli):
+    ck = copy_dir(hf_dir("qwen3_moe"))
+    edit_json(ck / "config.json", num_local_experts=16)  # the tensors hold 8
+    code, _, err = run_cli("convert", ck, tmp_path / "v")
+    assert_clean_error(code, err, "contradicts")
+    ck2 = copy_dir(hf_dir("mixtral"), "ck2")
+    edit_json(ck2 / "config.json", hidden_size=128)
+    code, _, err = run_cli("convert", ck2, tmp_path / "v")
+    assert_clean_error(code, err, "contradicts")
+
+
+def test_unknown_model_type(hf_dir, copy_dir, tmp_path, run_cli):
+    ck = copy_dir(hf_dir("olmoe"))
+    edit_json(ck / "config.json", model_type="frobnicator_moe")
+    code, _, err = run_cli("convert", ck, tmp_path / "v")
+    assert_clean_error(code, err, "frobnicator_moe", "qwen3_moe")
+
+
+def test_dense_model_is_refused(tmp_path, run_cli):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    code, _, err = run_cli("convert", tmp_path / "llama", tmp_path / "v")
+    assert_clean_error(code, err, "dense", "mlx-lm")
+
+
+def test_not_a_checkpoint(tmp_path, run_cli):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli("convert", tmp_path / "empty", tmp_path / "v")
+    assert_clean_error(code, err, "config.json")
+    code, _, err = run_cli("convert", tmp_path / "nowhere", tmp_path / "v")
+    assert_clean_error(code, err, "not a directory")
+
+
+def test_broken_config_json(hf_dir, copy_dir, tmp_path, run_cli):
+    ck = copy_dir(hf_dir("olmoe"))
+    (ck / "config.json").write_text("{not json")
+    code, _, err = run_cli("convert", ck, tmp_path / "v")
+    assert_clean_error(code, err, "config.json", "not valid JSON")
+
+
+def test_existing_target(hf_dir, tmp_path, run_cli):
+    assert run_cli("convert", hf_dir("olmoe"), tmp_path / "v", "--quiet")[0] == 0
+    code, _, err = run_cli("convert", hf_dir("olmoe"), tmp_path / "v", "--quiet")
+    assert_clean_error(code, err, "--force")
+    code, out, _ = run_cli("convert", hf_dir("olmoe"), tmp_path / "v", "--quiet", "--force")
+    assert code == 0 and "MB/s of source" in out
+
+
+def test_bad_group_size_for_shapes(tmp_path, run_cli):
+    src = make_hf_checkpoint(tmp_path / "ck", "qwen3_moe", moe_intermediate_size=32)
+    code, _, err = run_cli("convert", src, tmp_path / "v", "--quiet")
+    assert_clean_error(code, err, "group size", "--group-size")
+    assert not (tmp_path / "v").exists()
+    assert run_cli("convert", src, tmp_path / "v", "--group-size", "32", "--quiet")[0] == 0
+
+
+@pytest.mark.parametrize("what", ["no manifest", "bad version", "truncated"])
+def test_inspect_bad_vault(what, hf_dir, tmp_path, run_cli):
+    assert run_cli("convert", hf_dir("olmoe"), tmp_path / "v", "--quiet")[0] == 0
+    v = tmp_path / "v"
+    if what == "no manifest":
+        (v / "manifest.json").unlink()
+        needle = "not a vault"
+    elif what == "bad version":
+        edit_json(v / "manifest.json", version=99)
+        needle = "version 99"
+    else:
+        with open(v / "experts.bin", "r+b") as f:
+            f.truncate(16384)
+        needle = "experts.bin"
+    code, _, err = run_cli("inspect", v)
+    assert_clean_error(code, err, needle)
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path):
+    """The installed console entry point, end to end."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "smoe.cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "not a directory" in r.stderr
