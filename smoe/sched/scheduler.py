@@ -1,0 +1,494 @@
+"""The expert scheduler: which record lives in which ring slot, and when it may be read.
+
+Runs on one asyncio event loop; all state changes happen in plain (non-awaiting) code, so
+no lock is needed. Rules it keeps (tests/test_sched_*.py check each):
+
+- A pinned slot is never evicted, reassigned, or handed to a read for another record.
+- A LOADING slot is never reassigned until its read has finished, even if cancelled.
+- Workers take every queued DEMAND read before any SPECULATIVE one; a new demand read
+  waits behind at most the reads already in flight.
+- Two requests for one record share one read; a speculative read that becomes demanded
+  is promoted (moved to the demand queue, or awaited if already in flight).
+- Speculation only takes EMPTY or unpinned READY slots, never while demand waits for room.
+- A request never waits for room while its task holds pins (no hold-and-wait), so
+  requests cannot deadlock; what cannot be satisfied fails at once with RingTooSmall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from smoe.sched.policy import EvictionPolicy, make_policy
+from smoe.sched.stats import SchedulerStats
+from smoe.sched.types import Key, Priority, ReadBackend, ReadError, RingTooSmall, SlotState
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    key: Key | None = None
+    state: SlotState = SlotState.EMPTY
+    pins: int = 0
+    priority: Priority = Priority.DEMAND  # of the current load
+    started: bool = False  # the read was handed to the backend
+    loaded: asyncio.Future[None] | None = None  # done when the current load ends
+    enqueued_at: float = 0.0
+    speculative: bool = False  # loaded by a bet that no demand has used yet
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Pinned slots for one request, in the order the experts were asked for.
+
+    ``wait()`` returns once every slot is READY; if a read fails it releases everything
+    and raises ReadError. ``release()`` unpins (idempotent). As an async context manager it
+    waits on entry and releases on exit, also when cancelled.
+    """
+
+    scheduler: ExpertScheduler
+    keys: list[Key]
+    slots: list[int]
+    owner: object
+    released: bool = False
+    _futures: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def ready(self) -> list[bool]:
+        """Which of the slots are READY now (for computing on residents first)."""
+        return [self.scheduler._slots[s].state is SlotState.READY for s in self.slots]
+
+    async def wait(self) -> list[int]:
+        try:
+            pending = [f for f in self._futures if not f.done()]
+            if pending:
+                # asyncio.wait never cancels the futures it waits on; awaiting them directly
+                # would cancel the shared load when this one waiter is cancelled.
+                await asyncio.wait(pending)
+            for f in self._futures:
+                if f.cancelled():
+                    raise asyncio.CancelledError
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+        except BaseException:
+            self.release()
+            raise
+        return list(self.slots)
+
+    async def wait_slot(self, position: int) -> int:
+        """Wait for one slot (by position in the request); raise its ReadError."""
+        f = self._futures[position]
+        if not f.done():
+            await asyncio.wait([f])
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+        return self.slots[position]
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.scheduler._unpin(self.slots, self.owner)
+
+    async def __aenter__(self) -> list[int]:
+        return await self.wait()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ExpertScheduler:
+    """Slot table, eviction, two priority queues and per-slot readiness over a backend.
+
+    ``record_of(key)`` maps (layer, expert) to a vault record index; ``record_bytes`` is
+    what one read moves (for statistics). ``workers`` bounds reads in flight.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        backend: ReadBackend,
+        *,
+        record_of: Callable[[Key], int],
+        record_bytes: int,
+        workers: int = 4,
+        policy: str | EvictionPolicy = "lru",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError("the ring needs at least one slot")
+        if workers < 1:
+            raise ValueError("at least one I/O worker is needed")
+        self._slots = [Slot(i) for i in range(num_slots)]
+        self._where: dict[Key, Slot] = {}
+        self._queues: dict[Priority, deque[Slot]] = {p: deque() for p in Priority}
+        self._backend = backend
+        self._record_of = record_of
+        self._record_bytes = record_bytes
+        self._workers = workers
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self._owner_pins: dict[object, int] = {}
+        self._clock = clock
+        self._closed = False
+        self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def queue_depth(self, priority: Priority) -> int:
+        return len(self._queues[priority])
+
+    def state_of(self, key: Key) -> SlotState:
+        slot = self._where.get(key)
+        return slot.state if slot else SlotState.EMPTY
+
+    def slot_of(self, key: Key) -> int | None:
+        slot = self._where.get(key)
+        return slot.index if slot else None
+
+    def resident(self, layer: int) -> set[int]:
+        """Experts of ``layer`` that are READY in the ring."""
+        return {
+            k[1] for k, s in self._where.items() if k[0] == layer and s.state is SlotState.READY
+        }
+
+    def fill(self) -> int:
+        """Slots holding a record (READY or LOADING)."""
+        return len(self._where)
+
+    # ----------------------------------------------------------------- demand
+    async def acquire(
+        self, layer: int, experts: Iterable[int], priority: Priority = Priority.DEMAND
+    ) -> list[int]:
+        """Pin the slots of ``experts`` of ``layer`` and return them once all are READY.
+
+        The slot ids follow the order of ``experts`` with duplicates removed. Pair with
+        ``release(slots)``. Cancelling the caller unpins everything it pinned; reads already
+        in flight complete and stay cached. Raises RingTooSmall (at once) if the request
+        can never fit, ReadError if a read fails (after unpinning).
+        """
+        reservation = await self.reserve(layer, experts, priority)
+        return await reservation.wait()
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Unpin slots returned by ``acquire`` (from the same task)."""
+        self._unpin(list(slots), _owner())
+
+    async def reserve(
+        self, layer: int, experts: Iterable[int], priority: Priority = Priority.DEMAND
+    ) -> Reservation:
+        """Pin slots for ``experts`` and queue their reads; do not wait for the reads.
+
+        Waits only for room (until other tasks release pins), and only while the calling
+        task holds no pins of its own; otherwise a request that does not fit now raises
+        RingTooSmall. Cancellation while waiting for room leaves nothing behind.
+        """
+        self._check_open()
+        keys = list(dict.fromkeys((layer, int(e)) for e in experts))
+        if len(keys) > self.num_slots:
+            raise RingTooSmall(
+                f"{len(keys)} experts were requested at once but the ring has only "
+                f"{self.num_slots} slots; raise the memory budget",
+                len(keys),
+                self.num_slots,
+            )
+        owner = _owner()
+        while True:
+            needed, free = self._room_for(keys, priority)
+            if needed <= free:
+                break
+            held = self._owner_pins.get(owner, 0)
+            if held:
+                raise RingTooSmall(
+                    f"{needed} more slots are needed but only {free} can be freed while this "
+                    f"task holds {held} pinned; release them first or raise the memory budget",
+                    needed,
+                    free,
+                )
+            await self._wait_for_room()
+        return self._commit(keys, priority, owner)
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+        """Queue speculative reads for experts not in the ring; return how many were queued.
+
+        Never evicts a pinned or LOADING slot, never runs ahead of demand, and does nothing
+        while any demand request waits for room.
+        """
+        self._check_open()
+        if self._room_waiters:
+            return 0
+        queued = 0
+        for expert in dict.fromkeys(int(e) for e in experts):
+            key = (layer, expert)
+            if key in self._where:
+                continue
+            slot = self._free_slot(allow_cancel_speculative=False, exclude=())
+            if slot is None:
+                break
+            self._start_load(slot, key, Priority.SPECULATIVE)
+            slot.speculative = True
+            queued += 1
+        self._pump()
+        return queued
+
+    def cancel_speculative(self, keep: Callable[[Key], bool] | None = None) -> int:
+        """Drop queued (not yet started) speculative reads, except those ``keep`` accepts."""
+        dropped = 0
+        queue = self._queues[Priority.SPECULATIVE]
+        for slot in list(queue):
+            if keep is not None and slot.key is not None and keep(slot.key):
+                continue
+            queue.remove(slot)
+            self._abandon(slot)
+            self.stats.by_priority[Priority.SPECULATIVE].cancelled += 1
+            dropped += 1
+        if dropped:
+            self._wake_room()
+        return dropped
+
+    async def close(self) -> None:
+        """Stop taking requests, drop queued reads and wait for reads in flight to end."""
+        self._closed = True
+        for queue in self._queues.values():
+            while queue:
+                slot = queue.popleft()
+                self._abandon(slot)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    # ----------------------------------------------------------------- internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
+
+    def _room_for(self, keys: list[Key], priority: Priority) -> tuple[int, int]:
+        """(new slots the request needs, slots that could be given to it right now)."""
+        wanted = set(keys)
+        needed = sum(1 for k in keys if k not in self._where)
+        free = 0
+        for s in self._slots:
+            if s.pins or (s.key is not None and s.key in wanted):
+                continue
+            if s.state is not SlotState.LOADING:
+                free += 1
+            elif (
+                priority is Priority.DEMAND and not s.started and s.priority is Priority.SPECULATIVE
+            ):
+                free += 1  # a queued bet gives way to demand
+        return needed, free
+
+    def _commit(self, keys: list[Key], priority: Priority, owner: object) -> Reservation:
+        slots: list[int] = []
+        futures: list[asyncio.Future[None]] = []
+        wanted = set(keys)
+        for key in keys:
+            slot = self._where.get(key)
+            if slot is not None:
+                self.stats.hits += 1
+                if slot.speculative and priority is Priority.DEMAND:
+                    slot.speculative = False
+                    self.stats.speculative_used += 1
+                if (
+                    slot.state is SlotState.LOADING
+                    and slot.priority is Priority.SPECULATIVE
+                    and priority is Priority.DEMAND
+                ):
+                    self._promote(slot)
+            else:
+                self.stats.misses += 1
+                slot = self._free_slot(
+                    allow_cancel_speculative=priority is Priority.DEMAND, exclude=wanted
+                )
+                assert slot is not None, "room was checked before commit"
+                self._start_load(slot, key, priority)
+            self.policy.on_access(key)
+            slot.pins += 1
+            slots.append(slot.index)
+            assert slot.loaded is not None
+            futures.append(slot.loaded)
+        self._owner_pins[owner] = self._owner_pins.get(owner, 0) + len(slots)
+        self._pump()
+        return Reservation(self, keys, slots, owner, _futures=futures)
+
+    def _free_slot(self, *, allow_cancel_speculative: bool, exclude: Iterable[Key]) -> Slot | None:
+        """An EMPTY slot, else the policy's victim among unpinned READY ones, else (demand
+        only) the slot of a queued speculative read, which is dropped."""
+        excluded = set(exclude)
+        ready: dict[Key, Slot] = {}
+        for s in self._slots:
+            if s.pins:
+                continue
+            if s.state is SlotState.EMPTY:
+                return s
+            if s.state is SlotState.READY and s.key not in excluded:
+                assert s.key is not None
+                ready[s.key] = s
+        if ready:
+            victim = ready[self.policy.victim(ready.keys())]
+            self._evict(victim)
+            return victim
+        if allow_cancel_speculative:
+            queue = self._queues[Priority.SPECULATIVE]
+            for s in reversed(queue):  # the newest bet is the least likely to pay
+                if s.key not in excluded:
+                    queue.remove(s)
+                    self._abandon(s)
+                    self.stats.by_priority[Priority.SPECULATIVE].cancelled += 1
+                    return s
+        return None
+
+    def _evict(self, slot: Slot) -> None:
+        assert slot.pins == 0 and slot.state is SlotState.READY and slot.key is not None
+        del self._where[slot.key]
+        self.policy.on_remove(slot.key)
+        slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
+        self.stats.evictions += 1
+
+    def _abandon(self, slot: Slot) -> None:
+        """Forget a queued (never started) load: the slot becomes EMPTY."""
+        assert not slot.started and slot.state is SlotState.LOADING and slot.key is not None
+        del self._where[slot.key]
+        self.policy.on_remove(slot.key)
+        if slot.loaded is not None and not slot.loaded.done():
+            slot.loaded.cancel()
+        slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
+
+    def _start_load(self, slot: Slot, key: Key, priority: Priority) -> None:
+        assert slot.pins == 0 and slot.state is SlotState.EMPTY and slot.key is None
+        slot.key, slot.state, slot.priority, slot.started = key, SlotState.LOADING, priority, False
+        slot.loaded = asyncio.get_running_loop().create_future()
+        slot.enqueued_at = self._clock()
+        slot.speculative = False
+        self._where[key] = slot
+        self.policy.on_insert(key)
+        self._queues[priority].append(slot)
+
+    def _promote(self, slot: Slot) -> None:
+        self.stats.promotions += 1
+        if not slot.started:
+            self._queues[Priority.SPECULATIVE].remove(slot)
+            self._queues[Priority.DEMAND].append(slot)
+        slot.priority = Priority.DEMAND
+
+    def _pump(self) -> None:
+        """Hand queued reads to the backend, demand first, up to ``workers`` in flight."""
+        while self._in_flight < self._workers:
+            queue = self._queues[Priority.DEMAND] or self._queues[Priority.SPECULATIVE]
+            if not queue:
+                return
+            slot = queue.popleft()
+            slot.started = True
+            self._in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._run_read(slot))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_read(self, slot: Slot) -> None:
+        key, future, priority = slot.key, slot.loaded, slot.priority
+        assert key is not None and future is not None
+        counters = self.stats.by_priority[priority]
+        started = self._clock()
+        counters.queue_wait.add(started - slot.enqueued_at)
+        record = self._record_of(key)
+        try:
+            nbytes = await self._backend.read(record, slot.index)
+        except Exception as e:  # any failure of the read fails its awaiters
+            self.stats.io_errors += 1
+            del self._where[key]
+            self.policy.on_remove(key)
+            slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
+            if not future.done():
+                future.set_exception(ReadError(key, record, e))
+                future.exception()  # mark retrieved: a bet may have no awaiter
+        else:
+            counters = self.stats.by_priority[slot.priority]  # may have been promoted
+            counters.reads += 1
+            counters.bytes += nbytes
+            counters.read_latency.add(self._clock() - started)
+            slot.state = SlotState.READY
+            if not future.done():
+                future.set_result(None)
+        finally:
+            slot.started = False
+            self._in_flight -= 1
+            self._pump()
+            if slot.pins == 0:
+                self._wake_room()
+
+    def _unpin(self, slots: list[int], owner: object) -> None:
+        woke = False
+        for index in slots:
+            slot = self._slots[index]
+            assert slot.pins > 0, f"slot {index} released more often than pinned"
+            slot.pins -= 1
+            if slot.pins == 0:
+                woke = True
+                if slot.state is SlotState.LOADING and not slot.started and not slot.speculative:
+                    # Nobody wants this queued read any more: free its slot and the disk.
+                    self._queues[slot.priority].remove(slot)
+                    self._abandon(slot)
+                    self.stats.by_priority[slot.priority].cancelled += 1
+        left = self._owner_pins.get(owner, 0) - len(slots)
+        if left > 0:
+            self._owner_pins[owner] = left
+        else:
+            self._owner_pins.pop(owner, None)
+        if woke:
+            self._wake_room()
+
+    async def _wait_for_room(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._room_waiters:
+                self._room_waiters.remove(waiter)
+
+    def _wake_room(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # ----------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Assert the slot table is consistent (tests call this after every step)."""
+        seen: dict[Key, int] = {}
+        queued = {id(s) for q in self._queues.values() for s in q}
+        started = 0
+        for s in self._slots:
+            assert s.pins >= 0
+            if s.key is not None:
+                assert s.key not in seen, f"{s.key} in two slots"
+                seen[s.key] = s.index
+                assert self._where.get(s.key) is s
+                assert s.state is not SlotState.EMPTY
+            else:
+                assert s.state is SlotState.EMPTY
+            if s.state is SlotState.LOADING:
+                assert s.loaded is not None and not s.loaded.done()
+                assert s.started != (id(s) in queued), "a load is either queued or in flight"
+                started += s.started
+            else:
+                assert id(s) not in queued and not s.started
+            if s.state is SlotState.READY:
+                assert s.loaded is not None and s.loaded.done() and s.loaded.exception() is None
+        assert set(seen) == set(self._where)
+        assert started == self._in_flight <= self._workers
+        assert sum(self._owner_pins.values()) == sum(s.pins for s in self._slots)
+
+
+def _owner() -> object:
+    task = asyncio.current_task()
+    return task if task is not None else "no-task"

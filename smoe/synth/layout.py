@@ -1,0 +1,81 @@
+"""What transformers' `save_pretrained` would write for a config: tensor names, shapes, dtypes.
+
+The model is built on the meta device (no memory behind its tensors) and its state dict goes
+through the same tied-weight removal and reverse weight conversion that `save_pretrained` applies,
+so fused in-memory experts come out in the per-expert on-disk layout transformers itself writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from smoe.synth.presets import Preset, config_kwargs
+
+# dtype name -> (torch attribute, safetensors dtype, bytes per element)
+DTYPES: dict[str, tuple[str, str, int]] = {
+    "bfloat16": ("bfloat16", "BF16", 2),
+    "float16": ("float16", "F16", 2),
+    "float32": ("float32", "F32", 4),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype: BF16, F16 or F32
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * {"BF16": 2, "F16": 2, "F32": 4}[self.dtype]
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Sort key that puts layer 2 before layer 10 (and expert 2 before expert 10)."""
+    return tuple((0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", name))
+
+
+def build(arch: str, p: Preset, layers: int, dtype: str) -> tuple[Any, list[TensorSpec]]:
+    """Return (transformers config ready to save, on-disk tensor specs in writing order)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    torch_dtype = getattr(torch, DTYPES[dtype][0])
+    config = AutoConfig.for_model(arch, **config_kwargs(arch, p, layers))
+    # transformers warns about unused config keys and such at INFO/WARNING; none of it matters here.
+    tf_logger = logging.getLogger("transformers")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+        state = revert_weight_conversion(model, state)
+    finally:
+        tf_logger.setLevel(level)
+
+    # What save_pretrained records about the model it saves.
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = torch_dtype
+    to_st = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    specs = []
+    for name in sorted(state, key=natural_key):
+        t = state[name]
+        if t.dtype not in to_st:
+            raise AssertionError(f"{arch}: unexpected dtype {t.dtype} for {name}")
+        # Some modules are kept in float32 by transformers (e.g. DeepSeek's router): same on disk.
+        specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), to_st[t.dtype]))
+    return config, specs
