@@ -352,6 +352,11 @@ def test_existing_output_needs_force(tiny: dict[str, Path], tmp_path: Path) -> N
         synthesize(out, arch="olmoe")
     assert (out / "keep.txt").read_text() == "mine"
 
+    with pytest.raises(SmoeError, match="not a checkpoint"):
+        synthesize(out, arch="olmoe", force=True)  # --force never deletes a non-checkpoint
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "config.json").write_text("{}")  # now it looks like a checkpoint
+
     seen: list[tuple[str, int, int]] = []
     synthesize(out, arch="olmoe", force=True, progress=lambda *a: seen.append(a))
     assert not (out / "keep.txt").exists()

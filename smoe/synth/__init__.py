@@ -55,6 +55,11 @@ def synthesize(
         raise SmoeError(f"--seed must be an integer in [0, 2**64), got {seed}")
     if _occupied(out) and not force:
         raise SmoeError(f"{out} already exists and is not empty; pass --force to replace it")
+    if _occupied(out) and not (out / "config.json").exists():
+        raise SmoeError(
+            f"{out} exists and is not a checkpoint; choose another path "
+            "(--force only replaces checkpoints)"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_siblings(out)

@@ -267,11 +267,15 @@ def _check_same_layout(layout: RecordLayout, tensors: dict[str, mx.array], where
 def _write_layer_records(
     f: Any, tensors: dict[str, mx.array], layout: RecordLayout, num_experts: int
 ) -> list[int]:
-    """Evaluate one layer's expert tensors and append its records; return their CRC32s."""
-    mx.eval(list(tensors.values()))
+    """Evaluate one layer's expert tensors and append its records; return their CRC32s.
+
+    Components are evaluated one at a time: each projection's stacked source then lives
+    only until its quantized form exists, so peak memory stays below one layer's experts.
+    """
     columns = []
     for comp in layout.components:
         a = tensors.pop(comp.name)
+        mx.eval(a)
         if a.shape[0] != num_experts:
             raise SmoeError(
                 f"expert tensor {comp.name} has {a.shape[0]} experts, expected {num_experts}"
