@@ -7,10 +7,10 @@ A policy only ranks candidates; the scheduler decides which slots are candidates
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
-Key = Hashable  # (layer, expert)
+from smoe.sched.types import Key
 
 
 class EvictionPolicy(Protocol):

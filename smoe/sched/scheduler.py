@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -130,7 +130,7 @@ class ExpertScheduler:
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._room_waiters: list[asyncio.Future[None]] = []
-        self._owner_pins: dict[object, int] = {}
+        self._holdings: dict[object, Counter[int]] = {}  # owner -> pins per slot
         self._clock = clock
         self._closed = False
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
@@ -168,7 +168,11 @@ class ExpertScheduler:
 
     # ----------------------------------------------------------------- demand
     async def acquire(
-        self, layer: int, experts: Iterable[int], priority: Priority = Priority.DEMAND
+        self,
+        layer: int,
+        experts: Iterable[int],
+        priority: Priority = Priority.DEMAND,
+        owner: object = None,
     ) -> list[int]:
         """Pin the slots of ``experts`` of ``layer`` and return them once all are READY.
 
@@ -177,21 +181,31 @@ class ExpertScheduler:
         in flight complete and stay cached. Raises RingTooSmall (at once) if the request
         can never fit, ReadError if a read fails (after unpinning).
         """
-        reservation = await self.reserve(layer, experts, priority)
+        reservation = await self.reserve(layer, experts, priority, owner)
         return await reservation.wait()
 
-    def release(self, slots: Iterable[int]) -> None:
-        """Unpin slots returned by ``acquire`` (from the same task)."""
-        self._unpin(list(slots), _owner())
+    def release(self, slots: Iterable[int], owner: object = None) -> None:
+        """Unpin slots returned by ``acquire``.
+
+        ``owner`` defaults to the current task; pins are charged back to whoever holds
+        them when that owner does not (e.g. a release from another task).
+        """
+        self._unpin(list(slots), owner if owner is not None else _owner())
 
     async def reserve(
-        self, layer: int, experts: Iterable[int], priority: Priority = Priority.DEMAND
+        self,
+        layer: int,
+        experts: Iterable[int],
+        priority: Priority = Priority.DEMAND,
+        owner: object = None,
     ) -> Reservation:
         """Pin slots for ``experts`` and queue their reads; do not wait for the reads.
 
         Waits only for room (until other tasks release pins), and only while the calling
         task holds no pins of its own; otherwise a request that does not fit now raises
         RingTooSmall. Cancellation while waiting for room leaves nothing behind.
+        ``owner`` (default: the current task) is who holds the pins: one engine sequence
+        calling from several tasks passes one owner so hold-and-wait is recognised.
         """
         self._check_open()
         keys = list(dict.fromkeys((layer, int(e)) for e in experts))
@@ -202,12 +216,12 @@ class ExpertScheduler:
                 len(keys),
                 self.num_slots,
             )
-        owner = _owner()
+        owner = owner if owner is not None else _owner()
         while True:
             needed, free = self._room_for(keys, priority)
             if needed <= free:
                 break
-            held = self._owner_pins.get(owner, 0)
+            held = sum(self._holdings.get(owner, Counter()).values())
             if held:
                 raise RingTooSmall(
                     f"{needed} more slots are needed but only {free} can be freed while this "
@@ -316,7 +330,7 @@ class ExpertScheduler:
             slots.append(slot.index)
             assert slot.loaded is not None
             futures.append(slot.loaded)
-        self._owner_pins[owner] = self._owner_pins.get(owner, 0) + len(slots)
+        self._holdings.setdefault(owner, Counter()).update(slots)
         self._pump()
         return Reservation(self, keys, slots, owner, _futures=futures)
 
@@ -438,13 +452,21 @@ class ExpertScheduler:
                     self._queues[slot.priority].remove(slot)
                     self._abandon(slot)
                     self.stats.by_priority[slot.priority].cancelled += 1
-        left = self._owner_pins.get(owner, 0) - len(slots)
-        if left > 0:
-            self._owner_pins[owner] = left
-        else:
-            self._owner_pins.pop(owner, None)
+        for index in slots:
+            self._charge_release(owner, index)
         if woke:
             self._wake_room()
+
+    def _charge_release(self, owner: object, index: int) -> None:
+        holders = [owner] if self._holdings.get(owner, Counter())[index] else []
+        holders += [o for o, c in self._holdings.items() if c[index] and o is not owner]
+        assert holders, f"slot {index} released but nobody holds it"
+        held = self._holdings[holders[0]]
+        held[index] -= 1
+        if held[index] == 0:
+            del held[index]
+        if not held:
+            del self._holdings[holders[0]]
 
     async def _wait_for_room(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -486,7 +508,10 @@ class ExpertScheduler:
                 assert s.loaded is not None and s.loaded.done() and s.loaded.exception() is None
         assert set(seen) == set(self._where)
         assert started == self._in_flight <= self._workers
-        assert sum(self._owner_pins.values()) == sum(s.pins for s in self._slots)
+        pins: Counter[int] = Counter()
+        for held in self._holdings.values():
+            pins.update(held)
+        assert all(pins[s.index] == s.pins for s in self._slots), "pins and holders disagree"
 
 
 def _owner() -> object:

@@ -1,0 +1,351 @@
+"""The expert scheduler, driven by a backend whose reads complete when the test says."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from smoe.sched.scheduler import ExpertScheduler
+from smoe.sched.types import Priority, ReadError, RingTooSmall, SlotState
+from tests.fakes import ControlledBackend, record_of, settle
+
+pytestmark = pytest.mark.asyncio
+
+
+def make(slots: int = 8, workers: int = 2, backend: ControlledBackend | None = None):
+    backend = backend or ControlledBackend()
+    sched = ExpertScheduler(slots, backend, record_of=record_of, record_bytes=100, workers=workers)
+    return sched, backend
+
+
+def spawn(coro):
+    return asyncio.get_running_loop().create_task(coro)
+
+
+async def test_miss_then_hit():
+    sched, be = make()
+    task = spawn(sched.acquire(0, [1, 2]))
+    await settle()
+    assert be.started_records() == [1, 2] and not task.done()
+    be.complete(1)
+    await settle()
+    assert not task.done()  # all slots must be ready
+    be.complete(2)
+    slots = await task
+    assert [be.memory[s] for s in slots] == [1, 2]
+    sched.release(slots)
+    again = await sched.acquire(0, [2, 1])
+    assert again == slots[::-1]
+    assert (sched.stats.hits, sched.stats.misses, sched.stats.io_errors) == (2, 2, 0)
+    assert sched.stats.by_priority[Priority.DEMAND].reads == 2
+    assert sched.stats.by_priority[Priority.DEMAND].bytes == 200
+    sched.release(again)
+    sched.check_invariants()
+
+
+async def test_duplicates_in_one_request_share_a_slot():
+    sched, be = make()
+    be.auto = True
+    slots = await sched.acquire(0, [3, 3, 4])
+    assert len(slots) == 2 and be.started_records() == [3, 4]
+
+
+async def test_demand_overtakes_queued_speculation():
+    sched, be = make(workers=1)
+    assert sched.prefetch(0, [1, 2, 3]) == 3
+    await settle()
+    assert be.started_records() == [1]  # one worker: the rest wait in the queue
+    task = spawn(sched.acquire(0, [9]))
+    await settle()
+    assert sched.queue_depth(Priority.DEMAND) == 1
+    be.complete(1)  # the read in flight finishes: the worker takes demand next
+    await settle()
+    assert be.started_records() == [1, 9]
+    be.complete(9)
+    await task
+    await settle()
+    assert be.started_records() == [1, 9, 2]
+
+
+async def test_a_demand_read_waits_behind_at_most_the_reads_in_flight():
+    sched, be = make(workers=2)
+    sched.prefetch(0, range(6))
+    await settle()
+    assert be.started_records() == [0, 1]
+    task = spawn(sched.acquire(1, [7]))
+    await settle()
+    be.complete(0)
+    await settle()
+    assert be.started_records() == [0, 1, 107]  # not 2, 3, ...
+    be.complete(107)
+    await task
+
+
+async def test_two_requests_share_one_read():
+    sched, be = make()
+    t1, t2 = spawn(sched.acquire(0, [5])), spawn(sched.acquire(0, [5]))
+    await settle()
+    assert be.started_records() == [5]
+    be.complete(5)
+    s1, s2 = await t1, await t2
+    assert s1 == s2
+    assert sched.stats.misses == 1 and sched.stats.hits == 1
+    sched.check_invariants()
+
+
+async def test_queued_speculation_is_promoted():
+    sched, be = make(workers=1)
+    sched.prefetch(0, [1, 2, 3])
+    await settle()
+    task = spawn(sched.acquire(0, [3]))  # 3 is queued behind 2
+    await settle()
+    assert sched.stats.promotions == 1
+    be.complete(1)
+    await settle()
+    assert be.started_records() == [1, 3]  # promoted ahead of bet 2
+    be.complete(3)
+    assert await task
+    assert sched.stats.speculative_used == 1 and sched.stats.misses == 0
+
+
+async def test_in_flight_speculation_is_awaited_not_read_again():
+    sched, be = make(workers=1)
+    sched.prefetch(0, [4])
+    await settle()
+    task = spawn(sched.acquire(0, [4]))
+    await settle()
+    be.complete(4)
+    await task
+    assert be.started_records() == [4]
+    assert sched.stats.by_priority[Priority.DEMAND].reads == 1  # counted where it ended
+
+
+async def test_pinned_slots_are_never_evicted_or_overwritten():
+    sched, be = make(slots=2)
+    be.auto = True
+    held = await sched.acquire(0, [1, 2])
+    waiter = spawn(sched.acquire(0, [3]))
+    await settle()
+    assert be.started_records() == [1, 2]  # no slot to put 3 in: it waits for room
+    assert sched.prefetch(0, [8]) == 0
+    assert [be.memory[s] for s in held] == [1, 2]
+    sched.release(held)
+    slots = await waiter
+    assert be.memory[slots[0]] == 3
+    sched.check_invariants()
+
+
+async def test_a_task_holding_pins_gets_an_error_instead_of_deadlock():
+    sched, be = make(slots=3)
+    be.auto = True
+    await sched.acquire(0, [1, 2])
+    with pytest.raises(RingTooSmall, match="release them first"):
+        await sched.acquire(1, [1, 2])
+    sched.check_invariants()
+
+
+async def test_request_larger_than_ring():
+    sched, _ = make(slots=4)
+    with pytest.raises(RingTooSmall, match="only 4 slots") as info:
+        await sched.acquire(0, range(5))
+    assert info.value.needed == 5
+
+
+async def test_io_error_reaches_every_awaiter_and_leaks_nothing():
+    sched, be = make(slots=4)
+    t1, t2 = spawn(sched.acquire(2, [7, 1])), spawn(sched.acquire(2, [7]))
+    await settle()
+    be.complete(201)
+    be.complete(207, OSError(5, "Input/output error"))
+    for t in (t1, t2):
+        with pytest.raises(ReadError, match="expert 7 of layer 2"):
+            await t
+    await settle()
+    assert sched.stats.io_errors == 1
+    assert sched.stats.misses == 2 and sched.stats.hits == 1  # errors are not misses
+    assert sched.state_of((2, 7)) is SlotState.EMPTY
+    assert sched.state_of((2, 1)) is SlotState.READY  # cached, unpinned
+    assert all(s.pins == 0 for s in sched._slots)
+    sched.check_invariants()
+    be.auto = True
+    assert await sched.acquire(2, [7])  # a later request reads it again
+
+
+async def test_cancel_while_read_in_flight_keeps_the_record_cached():
+    sched, be = make()
+    task = spawn(sched.acquire(0, [1]))
+    await settle()
+    task.cancel()
+    await settle()
+    assert task.cancelled()
+    assert all(s.pins == 0 for s in sched._slots)
+    assert sched.state_of((0, 1)) is SlotState.LOADING  # the thread cannot be stopped
+    be.complete(1)
+    await settle()
+    assert sched.state_of((0, 1)) is SlotState.READY
+    be.auto = True
+    await sched.acquire(0, [1])
+    assert be.started_records() == [1] and sched.stats.hits == 1
+    sched.check_invariants()
+
+
+async def test_cancel_drops_a_queued_demand_read():
+    sched, be = make(workers=1)
+    first = spawn(sched.acquire(0, [1]))
+    second = spawn(sched.acquire(0, [2]))
+    await settle()
+    second.cancel()
+    await settle()
+    be.complete(1)
+    await first
+    await settle()
+    assert be.started_records() == [1]  # 2 was never read
+    assert sched.state_of((0, 2)) is SlotState.EMPTY
+    sched.check_invariants()
+
+
+async def test_cancel_while_waiting_for_room():
+    sched, be = make(slots=1)
+    be.auto = True
+    held = await sched.acquire(0, [1])
+    waiter = spawn(sched.acquire(0, [2]))
+    await settle()
+    waiter.cancel()
+    await settle()
+    assert not sched._room_waiters
+    sched.release(held)
+    sched.check_invariants()
+    assert await sched.acquire(0, [2])
+
+
+async def test_speculation_never_takes_pinned_slots_or_runs_while_demand_waits():
+    sched, be = make(slots=3)
+    be.auto = True
+    held = await sched.acquire(0, [1, 2])
+    assert sched.prefetch(0, [5, 6]) == 1  # only the one free slot
+    await settle()
+    assert [be.memory[s] for s in held] == [1, 2]
+    waiter = spawn(sched.acquire(1, [1, 2]))  # needs 2, only the bet's slot is free
+    await settle()
+    assert sched.prefetch(0, [7]) == 0  # demand is waiting: no bets
+    sched.release(held)
+    await waiter
+    sched.check_invariants()
+
+
+async def test_demand_takes_the_slot_of_a_queued_bet():
+    sched, be = make(slots=2, workers=1)
+    sched.prefetch(0, [1, 2])  # 1 in flight, 2 queued; the ring is full
+    await settle()
+    task = spawn(sched.acquire(0, [9]))
+    await settle()
+    assert sched.state_of((0, 2)) is SlotState.EMPTY  # the queued bet gave way
+    be.complete(1)
+    await settle()
+    be.complete(9)
+    await task
+    assert be.started_records() == [1, 9]
+    assert sched.stats.by_priority[Priority.SPECULATIVE].cancelled == 1
+
+
+async def test_cancel_speculative():
+    sched, be = make(workers=1)
+    sched.prefetch(0, [1, 2, 3])
+    await settle()
+    assert sched.cancel_speculative(keep=lambda key: key == (0, 3)) == 1
+    assert sched.state_of((0, 2)) is SlotState.EMPTY
+    assert sched.state_of((0, 3)) is SlotState.LOADING
+    sched.check_invariants()
+
+
+async def test_lru_evicts_the_least_recently_used():
+    sched, be = make(slots=3)
+    be.auto = True
+    for e in (1, 2, 3):
+        sched.release(await sched.acquire(0, [e]))
+    sched.release(await sched.acquire(0, [1]))  # 2 is now the oldest
+    sched.release(await sched.acquire(0, [4]))
+    assert sched.state_of((0, 2)) is SlotState.EMPTY
+    assert {sched.state_of((0, e)) for e in (1, 3, 4)} == {SlotState.READY}
+
+
+async def test_close_waits_for_reads_in_flight():
+    sched, be = make()
+    task = spawn(sched.acquire(0, [1]))
+    await settle()
+    closer = spawn(sched.close())
+    await settle()
+    assert not closer.done()  # a read is still writing into its slot
+    be.complete(1)
+    await closer
+    await task
+    with pytest.raises(RuntimeError, match="closed"):
+        await sched.acquire(0, [2])
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_randomized_stress(seed):
+    """Many tasks acquire, hold, and release random experts while reads complete, fail
+    or stall in random order and some tasks are cancelled. After every step the slot
+    table is consistent, and every slot a task holds contains the record it asked for."""
+    rng = random.Random(seed)
+    slots = rng.choice([4, 6, 10])
+    sched, be = make(slots=slots, workers=rng.choice([1, 2, 3]))
+    held: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # task id -> (keys, slots)
+    outcomes = {"ok": 0, "error": 0, "cancelled": 0, "too_small": 0}
+
+    async def client(cid: int) -> None:
+        for _ in range(6):
+            layer = rng.randrange(3)
+            experts = [rng.randrange(8) for _ in range(rng.randint(1, 3))]
+            if rng.random() < 0.3:
+                sched.prefetch(layer, [rng.randrange(8)])
+            try:
+                got = await sched.acquire(layer, experts)
+            except ReadError:
+                outcomes["error"] += 1
+                continue
+            except RingTooSmall:
+                outcomes["too_small"] += 1
+                continue
+            keys = list(dict.fromkeys((layer, e) for e in experts))
+            held[cid] = (keys, got)
+            for key, s in zip(keys, got, strict=True):
+                assert be.memory[s] == record_of(key), "handed a slot with the wrong record"
+            await settle(rng.randint(0, 5))  # "compute" while holding
+            for key, s in zip(keys, got, strict=True):
+                assert be.memory[s] == record_of(key), "a pinned slot was overwritten"
+            del held[cid]
+            sched.release(got)
+            outcomes["ok"] += 1
+
+    tasks = [spawn(client(i)) for i in range(6)]
+    for _ in range(3000):
+        await asyncio.sleep(0)
+        sched.check_invariants()
+        for keys, got in held.values():
+            for key, s in zip(keys, got, strict=True):
+                assert s not in be.writing and be.memory[s] == record_of(key)
+        if be.pending and rng.random() < 0.5:
+            record = rng.choice(sorted(be.pending))
+            error = OSError(5, "injected") if rng.random() < 0.1 else None
+            be.complete(record, error)
+        live = [t for t in tasks if not t.done()]
+        if live and rng.random() < 0.01:
+            rng.choice(live).cancel()
+            outcomes["cancelled"] += 1
+        if not live and not be.pending:
+            break
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    while be.pending:
+        be.complete(next(iter(be.pending)))
+        await settle()
+    await sched.close()
+    sched.check_invariants()
+    assert all(s.pins == 0 for s in sched._slots)
+    assert outcomes["ok"] > 5, outcomes
