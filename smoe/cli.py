@@ -148,6 +148,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("expected positive numbers like 1,2,4")
+    return values
+
+
+def cmd_bench_io(args: argparse.Namespace) -> int:
+    from smoe.bench.io import bench_io
+
+    report = bench_io(
+        args.vault,
+        args.workers,
+        reads=args.reads,
+        repeats=args.repeats,
+        batch=args.batch,
+        slots=args.slots,
+        seed=args.seed,
+    )
+    print(json.dumps(report, indent=1))
+    for row in report["sweep"]:
+        print(
+            f"workers {row['workers']:>3}: baseline {row['baseline_GBps']:.2f} GB/s, "
+            f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
 
@@ -225,6 +257,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_synth)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bio = bsub.add_parser("io", help="streamer read throughput vs a raw O_DIRECT baseline")
+    bio.add_argument("vault", type=Path)
+    bio.add_argument(
+        "--workers",
+        type=_int_list,
+        default=[1, 2, 4, 8, 16],
+        help="worker counts to sweep (default 1,2,4,8,16)",
+    )
+    bio.add_argument(
+        "--reads", type=int, default=None, help="records read per run (default: every record once)"
+    )
+    bio.add_argument(
+        "--repeats", type=int, default=4, help="runs of each kind per worker count, in ABBA order"
+    )
+    bio.add_argument("--batch", type=int, default=8, help="experts per acquire (top-k)")
+    bio.add_argument("--slots", type=int, default=64, help="ring slots for the streamer")
+    bio.add_argument("--seed", type=int, default=0)
+    bio.set_defaults(func=cmd_bench_io)
 
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
     e.add_argument("vault", type=Path)

@@ -171,6 +171,7 @@ async def test_io_error_reaches_every_awaiter_and_leaks_nothing():
     sched.check_invariants()
     be.auto = True
     assert await sched.acquire(2, [7])  # a later request reads it again
+    await sched.close()
 
 
 async def test_cancel_while_read_in_flight_keeps_the_record_cached():

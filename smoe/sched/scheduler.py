@@ -435,9 +435,10 @@ class ExpertScheduler:
         finally:
             slot.started = False
             self._in_flight -= 1
-            self._pump()
-            if slot.pins == 0:
-                self._wake_room()
+            if _loop_running():  # not when the loop is tearing this coroutine down
+                self._pump()
+                if slot.pins == 0:
+                    self._wake_room()
 
     def _unpin(self, slots: list[int], owner: object) -> None:
         woke = False
@@ -512,6 +513,14 @@ class ExpertScheduler:
         for held in self._holdings.values():
             pins.update(held)
         assert all(pins[s.index] == s.pins for s in self._slots), "pins and holders disagree"
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _owner() -> object:
