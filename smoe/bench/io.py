@@ -5,7 +5,8 @@ Cold random reads of whole records from a real vault. For each worker count, in 
   aligned buffer with O_DIRECT, no scheduler, no ring;
 - streamer: S-MoE's ExpertScheduler + DirectReader with N workers filling ring slots,
   driven by clients that acquire decode-sized batches of experts (all misses) and release.
-Both read the same number of records of the same size at the same concurrency. The two run
+Both read the same number of records of the same size at the same concurrency, into the
+same kind of memory (16 KiB-aligned, backed by huge pages where the kernel allows). The two run
 back to back, alternating which goes first, so drift in the disk hits both. Page cache:
 O_DIRECT bypasses it; the file's cached pages are also dropped (fadvise) before each run.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import mmap
 import os
 import queue
 import random
@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from smoe.io.direct import DirectReader, open_direct
+from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
 from smoe.io.ring import Ring
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
@@ -60,8 +63,11 @@ def baseline_run(path: Path, stride: int, records: list[int], workers: int) -> R
     errors: list[BaseException] = []
 
     def worker() -> None:
-        buf = mmap.mmap(-1, stride)  # page-aligned, as O_DIRECT needs
-        view = memoryview(buf)
+        # The same kind of memory as the ring: aligned for O_DIRECT, on huge pages.
+        raw = np.zeros(stride + HUGE_PAGE, dtype=np.uint8)
+        start = (-int(raw.ctypes.data)) % HUGE_PAGE
+        advise_huge_pages(int(raw.ctypes.data), raw.nbytes)
+        view = memoryview(raw[start : start + stride])
         try:
             while True:
                 try:
@@ -78,7 +84,6 @@ def baseline_run(path: Path, stride: int, records: list[int], workers: int) -> R
             errors.append(e)
         finally:
             view.release()
-            buf.close()
 
     threads = [threading.Thread(target=worker, name=f"baseline-{i}") for i in range(workers)]
     start = time.perf_counter()
@@ -199,6 +204,7 @@ def bench_io(
         "batch": batch,
         "ring_slots": slots,
         "direct_io": direct,
+        "ring_huge_pages": Ring(m.record, 1).huge_pages,
         "sweep": rows,
         "best": max(rows, key=lambda r: r["streamer_GBps"]),
     }

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from smoe.errors import SmoeError
+from smoe.io.hugepages import advise_huge_pages
 from smoe.units import format_bytes, parse_size
 from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
@@ -81,6 +82,7 @@ class Ring:
             raise RuntimeError(f"MLX allocation at {base:#x} is not 8-byte aligned")
         self._start = (-base) % _ALIGN  # bytes from the allocation to slot 0
         self.address = base + self._start
+        self.huge_pages = advise_huge_pages(base, self.allocated_bytes)
         self._memory: memoryview = whole[self._start : self._start + self.nbytes].data
         self._views = self._build_views()
 
