@@ -56,3 +56,16 @@ def test_bench_io_reports_both_sides(vault, run_cli):
         assert row["baseline_GBps"] > 0 and row["streamer_GBps"] > 0
         assert len(row["baseline_runs_GBps"]) == len(row["streamer_runs_GBps"]) == 2
     assert report["records_per_run"] == vault.manifest.num_records
+
+
+def test_ring_asks_for_huge_pages(vault):
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    ring = Ring(vault.manifest.record, 400)  # ~6.5 MB: holds whole 2 MiB pages
+    if not thp.exists() or "[never]" in thp.read_text():
+        assert ring.huge_pages is False
+    else:
+        assert ring.huge_pages is True
+    view = ring.views()["gate_proj.weight"]
+    assert view.shape[0] == 400  # the views still work on the advised memory
