@@ -1,0 +1,101 @@
+"""Build mlx-lm's model for a vault: the backbone resident, the routed experts streamed.
+
+The model class is mlx-lm's own for the vault's model_type. Its backbone weights come from
+backbone.safetensors (quantized as config.json's "quantization" says, exactly as mlx-lm's
+loader would). Each SwitchGLU/SwitchMLP that the manifest lists is swapped for a
+StreamingExperts whose parameters are the ring's views.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from smoe.compute.streaming import SlotSource, StreamingExperts, Tracer, ring_module
+from smoe.errors import VaultError
+from smoe.io.ring import Ring
+from smoe.topology import model_classes
+from smoe.vault.format import Vault
+
+
+def _quantize_like_mlx_lm(
+    model: nn.Module, config: dict[str, Any], weights: dict[str, Any]
+) -> None:
+    """mlx-lm's load_model quantization step (mlx_lm/utils.py), for a vault's config."""
+    from mlx_lm.utils import infer_quant_config
+
+    q = config.get("quantization")
+    if not q:
+        return
+
+    def predicate(path: str, module: nn.Module) -> Any:
+        if path in q:
+            return q[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        model,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _resolve(root: nn.Module, path: str) -> tuple[Any, str]:
+    """(parent module, attribute) of a dotted module path like 'model.layers.3.mlp.switch_mlp'."""
+    parts = path.split(".")
+    parent: Any = root
+    for part in parts[:-1]:
+        parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+    return parent, parts[-1]
+
+
+def build_model(
+    vault: Vault,
+    ring: Ring,
+    source: SlotSource,
+    compute_dtype: mx.Dtype,
+    tracer: Tracer | None = None,
+) -> nn.Module:
+    """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
+
+    Float backbone weights are cast to ``compute_dtype``; quantized ones keep their packing.
+    Ring views keep the vault's dtypes (convert with --dtype float32 for CPU speed).
+    Raises VaultError if the backbone lacks or has extra tensors.
+    """
+    config = vault.config()
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(mx.load(str(vault.backbone_path)))
+    _quantize_like_mlx_lm(model, config, weights)
+
+    views = ring.views()
+    num_experts = vault.manifest.num_experts
+    expert_prefixes = []
+    for spec in vault.manifest.layers:
+        parent, attr = _resolve(model, spec.module)
+        inner = ring_module(getattr(parent, attr), views)
+        setattr(parent, attr, StreamingExperts(inner, spec.layer, num_experts, source, tracer))
+        expert_prefixes.append(spec.module + ".")
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - set(weights))
+    extra = sorted(set(weights) - expected)
+    if missing or extra:
+        raise VaultError(
+            f"{vault.backbone_path} does not match mlx-lm's '{config['model_type']}' model "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); convert the model again"
+        )
+    for name, a in weights.items():
+        if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
+            weights[name] = a.astype(compute_dtype)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model

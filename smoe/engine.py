@@ -1,0 +1,285 @@
+"""The async API: open a vault, get logits, generate.
+
+    async with smoe.Engine.open("vault", memory="6GB") as engine:
+        logits = await engine.logits([1, 2, 3])           # numpy float32 [T, vocab]
+        async for event in engine.generate("Hello", max_tokens=32):
+            print(event.text, end="")
+
+Cancellation: breaking out of ``generate`` or cancelling the task that iterates it stops the
+generation after the step in progress (a running MLX step cannot be interrupted; it takes
+one token's time). The engine stays usable; the next call starts once that step is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smoe.compute.runner import Runner, SamplingParams
+from smoe.compute.streaming import Tracer
+from smoe.compute.worker import ComputeThread, LoopSlots
+from smoe.errors import SmoeError
+from smoe.io.direct import DirectReader
+from smoe.io.ring import Ring
+from smoe.sched.scheduler import ExpertScheduler
+from smoe.vault.format import Vault
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # request to first token
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    prefill_unique_experts: int = 0  # sum over (chunk, layer) of distinct experts
+    prefill_bytes: int = 0
+    decode_bytes_per_token: float = 0.0
+    decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Event:
+    """One token (``token``, ``text``), or the end (``finish_reason`` and ``stats``)."""
+
+    token: int | None = None
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class EngineOptions:
+    memory: int | str | None = None  # ring budget, e.g. "6GB"; None with slots=None: all experts
+    slots: int | None = None  # explicit ring size (wins over memory)
+    workers: int = 4  # I/O threads
+    dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
+    prefill_chunk: int = 64
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    policy: str = "lru"
+    direct_io: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """A vault opened for inference. Create with ``Engine.open`` and use as ``async with``."""
+
+    def __init__(self, vault: Vault | str | Path, options: EngineOptions) -> None:
+        self.vault = vault if isinstance(vault, Vault) else Vault.open(vault)
+        self.options = options
+        self.tracer = Tracer()
+        self._lock = asyncio.Lock()  # one request at a time on the compute thread
+        self._opened = False
+
+    @classmethod
+    def open(
+        cls, vault: Vault | str | Path, memory: int | str | None = None, **options: Any
+    ) -> Engine:
+        """An engine for ``vault`` (not started: use ``async with``). Options: see
+        EngineOptions. Raises VaultError for a bad vault, SmoeError for a bad option."""
+        return cls(vault, EngineOptions(memory=memory, **options))
+
+    # ---------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> Engine:
+        import mlx.core as mx
+
+        m = self.vault.manifest
+        top_k = int(m.topology["experts_per_token"])
+        o = self.options
+        if o.prefill_chunk < 1:
+            raise SmoeError("prefill_chunk must be at least 1")
+        if o.slots is not None:
+            if o.slots < top_k:
+                raise SmoeError(
+                    f"slots={o.slots} is below one token's top-{top_k}; use {top_k} or more"
+                )
+            self.ring = Ring(m.record, o.slots)
+        elif o.memory is not None:
+            self.ring = Ring.for_budget(
+                m.record,
+                o.memory,
+                min_slots=top_k,
+                max_slots=m.num_records,
+                reason=f"one layer's top-{top_k}",
+            )
+        else:
+            self.ring = Ring(m.record, m.num_records)
+        self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
+        self.scheduler = ExpertScheduler(
+            self.ring.num_slots,
+            self.reader,
+            record_of=lambda k: m.record_index(*k),
+            record_bytes=m.record.stride,
+            workers=o.workers,
+            policy=o.policy,
+        )
+        self.slots = LoopSlots(self.scheduler, asyncio.get_running_loop())
+        self.compute = ComputeThread()
+        name = o.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+        if name not in ("float32", "bfloat16", "float16"):
+            raise SmoeError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
+        self.dtype = getattr(mx, name)
+        try:
+            self.runner = await self.compute.run(self._build)
+            self.tokenizer = await self.compute.run(self._load_tokenizer)
+        except BaseException:
+            await self.aclose()
+            raise
+        config = self.vault.config()
+        limit = config.get("max_position_embeddings") or 4096
+        self.max_context = min(o.max_context or limit, limit)
+        self._opened = True
+        return self
+
+    def _build(self) -> Runner:
+        from smoe.compute.model import build_model
+
+        model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
+        return Runner(model, chunk=self.options.prefill_chunk)
+
+    def _load_tokenizer(self) -> Any:
+        from mlx_lm.utils import load_tokenizer
+
+        if (
+            not (self.vault.path / "tokenizer_config.json").exists()
+            and not (self.vault.path / "tokenizer.json").exists()
+        ):
+            return None
+        eos = self.vault.config().get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else eos
+        return load_tokenizer(self.vault.path, eos_token_ids=eos)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
+        if hasattr(self, "compute"):
+            await self.compute.close()
+        if hasattr(self, "scheduler"):
+            await self.scheduler.close()
+        if hasattr(self, "reader"):
+            self.reader.close()
+        self._opened = False
+
+    # ---------------------------------------------------------------- API
+    def _check_tokens(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
+        if not self._opened:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        vocab = int(self.vault.manifest.topology["vocab_size"])
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise SmoeError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise SmoeError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if len(ids) + extra > self.max_context:
+            raise SmoeError(
+                f"{len(ids)} prompt tokens + {extra} to generate exceed the context of "
+                f"{self.max_context} tokens; shorten the prompt or lower max_tokens"
+            )
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise SmoeError(f"{self.vault.path} has no tokenizer; pass token ids instead")
+        return list(self.tokenizer.encode(text))
+
+    async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other
+        than which experts the ring happens to hold."""
+        ids = self._check_tokens(token_ids)
+        async with self._lock:
+            return await self.compute.run(self.runner.logits, ids)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+    ) -> AsyncIterator[Event]:
+        """Stream tokens; the last event carries ``finish_reason`` and ``stats``.
+
+        Raises SmoeError before any work for an empty or too-long prompt or bad settings.
+        """
+        if max_tokens < 1:
+            raise SmoeError("max_tokens must be at least 1")
+        params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
+        params.check()
+        ids = self._check_tokens(
+            self.encode(prompt) if isinstance(prompt, str) else prompt, extra=max_tokens
+        )
+        async with self._lock:
+            async for event in self._generate(ids, max_tokens, params, stop_at_eos):
+                yield event
+
+    async def _generate(
+        self, ids: list[int], max_tokens: int, params: SamplingParams, stop_at_eos: bool
+    ) -> AsyncIterator[Event]:
+        stats = GenerationStats(prompt_tokens=len(ids))
+        sched = self.scheduler.stats
+        bytes0, hits0, misses0 = sched.bytes_read(), sched.hits, sched.misses
+        traces0 = len(self.tracer.calls)
+        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
+        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
+        if detok is not None:
+            detok.reset()
+
+        t0 = time.perf_counter()
+        seq = await self.compute.run(self.runner.start, ids, params)
+        prefill_traces = self.tracer.calls[traces0:]
+        stats.prefill_unique_experts = sum(t.unique_experts for t in prefill_traces)
+        wait0, t_decode, bytes_decode0 = self.slots.wait_seconds, None, 0
+        finish = "length"
+        for i in range(max_tokens):
+            token = await self.compute.run(self.runner.step, seq)
+            now = time.perf_counter()
+            if i == 0:
+                stats.ttft_s = now - t0
+                stats.prefill_tok_s = len(ids) / stats.ttft_s
+                stats.prefill_bytes = sched.bytes_read() - bytes0
+                t_decode, bytes_decode0, wait0 = now, sched.bytes_read(), self.slots.wait_seconds
+            stats.generated_tokens += 1
+            if token in eos:
+                finish = "stop"
+                break
+            text = ""
+            if detok is not None:
+                detok.add_token(token)
+                text = detok.last_segment
+            yield Event(token=token, text=text)
+        if detok is not None:
+            detok.finalize()
+            tail = detok.last_segment
+            if tail:
+                yield Event(text=tail)
+        end = time.perf_counter()
+        decoded = stats.generated_tokens - 1
+        if t_decode is not None and decoded > 0:
+            stats.decode_tok_s = decoded / (end - t_decode)
+            stats.decode_bytes_per_token = (sched.bytes_read() - bytes_decode0) / decoded
+            stats.decode_io_wait_share = (self.slots.wait_seconds - wait0) / (end - t_decode)
+        stats.bytes_read = sched.bytes_read() - bytes0
+        stats.hits, stats.misses = sched.hits - hits0, sched.misses - misses0
+        asked = stats.hits + stats.misses
+        stats.hit_rate = stats.hits / asked if asked else 0.0
+        yield Event(finish_reason=finish, stats=stats)
