@@ -148,6 +148,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got '{text}'") from None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -178,6 +185,88 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+
+    return run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from smoe.engine import Engine
+    from smoe.units import format_bytes
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
+    tokens: list[int] = []
+    text: list[str] = []
+    stats: dict[str, Any] = {}
+    finish = None
+    async with Engine.open(
+        args.vault,
+        memory=args.memory,
+        slots=args.slots,
+        workers=args.workers,
+        dtype=args.dtype,
+        prefill_chunk=args.prefill_chunk,
+    ) as engine:
+        async for event in engine.generate(
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+        ):
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.text:
+                text.append(event.text)
+                if not args.json:
+                    print(event.text, end="", flush=True)
+            if event.stats is not None:
+                stats, finish = event.stats.to_json(), event.finish_reason
+        stats["ring_slots"] = engine.ring.num_slots
+        stats["ring_bytes"] = engine.ring.nbytes
+    if args.json:
+        print(
+            json.dumps(
+                {"tokens": tokens, "text": "".join(text), "finish_reason": finish, "stats": stats}
+            )
+        )
+    else:
+        print()
+        print(
+            f"[{len(tokens)} tokens, {finish}; first token {stats['ttft_s']:.2f} s, "
+            f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.2f} "
+            f"tok/s, read {format_bytes(stats['bytes_read'])}, hit rate "
+            f"{100 * stats['hit_rate']:.0f}%]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _memory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="expert ring budget, e.g. 6GB (default: room for every expert)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"
+    )
+    p.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +346,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_synth)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
+    g.add_argument("vault", type=Path)
+    g.add_argument("--prompt", default=None, help="prompt text (tokenized without a chat template)")
+    g.add_argument("--prompt-ids", type=_id_list, default=None, help="prompt token ids: 1,2,3")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object with "tokens", "text" and "stats"',
+    )
+    _memory_option(g)
+    g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")

@@ -103,12 +103,15 @@ def test_existing_target(hf_dir, tmp_path, run_cli):
     assert code == 0 and "MB/s of source" in out
 
 
-def test_bad_group_size_for_shapes(tmp_path, run_cli):
+def test_group_size_and_expert_shapes(tmp_path, run_cli):
     src = make_hf_checkpoint(tmp_path / "ck", "qwen3_moe", moe_intermediate_size=32)
-    code, _, err = run_cli("convert", src, tmp_path / "v", "--quiet")
+    code, _, err = run_cli("convert", src, tmp_path / "v", "--quiet", "--group-size", "64")
     assert_clean_error(code, err, "group size", "--group-size")
     assert not (tmp_path / "v").exists()
-    assert run_cli("convert", src, tmp_path / "v", "--group-size", "32", "--quiet")[0] == 0
+    # Unasked, the group size falls back to one that fits 32-wide experts.
+    assert run_cli("convert", src, tmp_path / "v", "--quiet")[0] == 0
+    manifest = json.loads((tmp_path / "v" / "manifest.json").read_text())
+    assert manifest["quantization"]["experts"]["group_size"] == 32
 
 
 @pytest.mark.parametrize("what", ["no manifest", "bad version", "truncated"])

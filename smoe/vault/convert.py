@@ -108,6 +108,8 @@ class _Plan:
         self.opts = opts
         self.source_q = ck.quantization
         self.bits, self.group_size = _check_options(opts, self.source_q)
+        if opts.group_size is None and self.source_q is None:
+            self.group_size = self._default_group_size()
         self.dtype = _float_dtype(opts.dtype)
         self.prefixes = [m.path + "." for m in ck.experts]
         self.router_gates = self._router_gates()
@@ -123,6 +125,20 @@ class _Plan:
             )
             for m in ck.experts
         }
+
+    def _default_group_size(self) -> int:
+        """64, or the largest smaller choice that divides every expert's input dimension
+        (a small model's 32-wide experts cannot use 64); --group-size overrides."""
+        first = self.ck.experts[0].path + "."
+        dims = [
+            a.shape[-1]
+            for k, a in self.ck.params.items()
+            if k.startswith(first) and k.endswith(".weight") and a.ndim == 3
+        ]
+        for g in sorted((g for g in GROUP_CHOICES if g <= DEFAULT_GROUP), reverse=True):
+            if all(d % g == 0 for d in dims):
+                return g
+        return DEFAULT_GROUP  # quantizing will say which tensor does not fit
 
     def _router_gates(self) -> set[str]:
         """Linear layers beside the experts whose outputs are one per expert: the routers."""
