@@ -269,6 +269,32 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
 
 
+def cmd_bench_generate(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+    from smoe.bench.generate import bench_generate
+
+    report = run(
+        bench_generate(
+            str(args.vault),
+            args.budgets.split(","),
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            workers=args.workers,
+            seed=args.seed,
+        )
+    )
+    print(json.dumps(report, indent=1))
+    for r in report["runs"]:
+        print(
+            f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
+            f"prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
+            f"hit {100 * r['hit_rate']:.0f}%, {r['decode_bytes_per_token'] / 1e6:.1f} MB/token, "
+            f"I/O wait {100 * r['decode_io_wait_share']:.0f}% of decode",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
 
@@ -386,6 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
     bio.add_argument("--slots", type=int, default=64, help="ring slots for the streamer")
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)
+
+    bg = bsub.add_parser("generate", help="prefill and decode at several memory budgets")
+    bg.add_argument("vault", type=Path)
+    bg.add_argument(
+        "--budgets",
+        default="min,half,all",
+        help="comma list of min, half, all or sizes like 2GB (default min,half,all)",
+    )
+    bg.add_argument("--prompt-tokens", type=int, default=128)
+    bg.add_argument("--max-tokens", type=int, default=32)
+    bg.add_argument("--workers", type=int, default=4)
+    bg.add_argument("--seed", type=int, default=0)
+    bg.set_defaults(func=cmd_bench_generate)
 
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
     e.add_argument("vault", type=Path)

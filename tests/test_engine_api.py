@@ -180,3 +180,21 @@ def test_cli_generate_json(vault, run_cli):
 def test_cli_generate_errors(vault, run_cli, args, needle):
     code, _, err = run_cli("generate", vault.path, *args)
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.asyncio
+async def test_partly_resident_layers_compute_the_same(vault):
+    """Experts already in the ring are computed while the misses load; the logits must
+    not change by a bit."""
+    prompt = list(range(20, 150))
+    async with Engine.open(vault.path) as everything:
+        expected = await everything.logits(prompt)
+    # 20 slots for 3 layers x 8 experts: LRU keeps part of each layer between chunks.
+    async with Engine.open(vault.path, slots=20) as engine:
+        await engine.logits(prompt[:40])  # leave some experts behind
+        engine.tracer.calls.clear()
+        assert np.array_equal(await engine.logits(prompt), expected)
+        mixed = [
+            t for t in engine.tracer.calls if t.waves == 1 and 0 < t.resident < t.unique_experts
+        ]
+        assert mixed, "no layer was partly resident: the overlapped path was not exercised"

@@ -18,11 +18,24 @@ import mlx.nn as nn
 import numpy as np
 
 
+class Lease(Protocol):
+    slots: list[int]  # one per requested expert, in request order
+    ready: list[bool]  # which were READY when reserved
+
+    def wait(self) -> None:
+        """Block until every slot is READY (raises the read's error, slots released)."""
+        ...
+
+
 class SlotSource(Protocol):
     """Where the compute thread gets ring slots. Calls block the compute thread."""
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Pin and return the slots of ``experts`` once all are READY (order kept)."""
+        ...
+
+    def reserve(self, layer: int, experts: list[int]) -> Lease:
+        """Pin the slots now and start the misses' reads; do not wait for them."""
         ...
 
     def release(self, slots: list[int]) -> None: ...
@@ -40,6 +53,7 @@ class LayerTrace:
     tokens: int
     unique_experts: int
     waves: int
+    resident: int = 0  # experts already READY when asked for (computed while misses load)
 
 
 @dataclass
@@ -78,25 +92,74 @@ class StreamingExperts(nn.Module):
             self._tracer.on_routing(self.layer, idx.reshape(-1, idx.shape[-1]))
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
+        resident = 0
         if len(experts) <= capacity:
-            y, waves = self._run(x, idx, experts), 1
+            y, resident = self._run_overlapped(x, idx, experts)
+            waves = 1
         else:
             y, waves = self._run_in_waves(x, idx, experts, capacity)
         if self._tracer is not None:
             self._tracer.calls.append(
-                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves)
+                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
             )
         return y
 
     def _run(self, x: mx.array, idx: np.ndarray, experts: list[int]) -> mx.array:
         slots = self._source.acquire(self.layer, experts)
         try:
-            table = np.zeros(self.num_experts, dtype=np.uint32)
-            table[experts] = slots
-            y = self._inner(x, mx.array(table[idx]))
-            mx.eval(y)  # the matmuls must be done reading the slots before they are released
+            return self._compute(x, idx, experts, slots)
         finally:
             self._source.release(slots)
+
+    def _run_overlapped(
+        self, x: mx.array, idx: np.ndarray, experts: list[int]
+    ) -> tuple[mx.array, int]:
+        """Compute the experts already in the ring while the misses are being read.
+        Returns the output and how many experts were resident."""
+        lease = self._source.reserve(self.layer, experts)
+        resident = int(sum(lease.ready))
+        try:
+            if resident in (0, len(experts)):
+                lease.wait()
+                return self._compute(x, idx, experts, lease.slots), resident
+            # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
+            k = idx.shape[-1]
+            flat_idx = idx.reshape(-1, k)
+            flat_x = x.reshape(-1, x.shape[-1])
+            out: mx.array | None = None
+            was_ready = list(lease.ready)
+            for first_part in (True, False):  # the resident experts, then the misses
+                if not first_part:
+                    lease.wait()
+                part = [
+                    (e, s)
+                    for e, s, r in zip(experts, lease.slots, was_ready, strict=True)
+                    if r == first_part
+                ]
+                rows, ranks = np.nonzero(np.isin(flat_idx, [e for e, _ in part]))
+                y = self._compute(
+                    flat_x[mx.array(rows)],
+                    flat_idx[rows, ranks][:, None],
+                    [e for e, _ in part],
+                    [s for _, s in part],
+                )  # [P, 1, D]
+                if out is None:
+                    out = mx.zeros((flat_idx.shape[0], k, y.shape[-1]), dtype=y.dtype)
+                out[mx.array(rows), mx.array(ranks)] = y[:, 0]
+                mx.eval(out)
+            assert out is not None
+            return out.reshape(*idx.shape, out.shape[-1]), resident
+        finally:
+            self._source.release(lease.slots)
+
+    def _compute(
+        self, x: mx.array, idx: np.ndarray, experts: list[int], slots: list[int]
+    ) -> mx.array:
+        """mlx-lm's expert computation on ring slots; evaluated before returning."""
+        table = np.zeros(self.num_experts, dtype=np.uint32)
+        table[experts] = slots
+        y = self._inner(x, mx.array(table[idx]))
+        mx.eval(y)  # the matmuls must be done reading the slots before they are released
         return y
 
     def _run_in_waves(
@@ -104,26 +167,24 @@ class StreamingExperts(nn.Module):
     ) -> tuple[mx.array, int]:
         """The union does not fit the ring: run it in waves of at most ``capacity`` experts.
 
-        Each wave computes every (token, rank) whose expert is in the wave; the outputs are
-        assembled by position, so the block's rank-order combination is unchanged.
+        Each wave computes exactly the (token, rank) pairs routed to its experts, one row
+        per pair; the outputs are put back at their (token, rank) position, so the block's
+        rank-order combination, and the total work, are those of a single pass.
         """
-        # flat views: rows = tokens, k = ranks
+        # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs in a wave
         k = idx.shape[-1]
-        flat_idx = idx.reshape(-1, k)
-        flat_x = x.reshape(-1, x.shape[-1])
+        flat_idx = idx.reshape(-1, k)  # [N, k]
+        flat_x = x.reshape(-1, x.shape[-1])  # [N, D]
         out: mx.array | None = None
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            in_wave = np.isin(flat_idx, wave)
-            rows = np.nonzero(in_wave.any(axis=1))[0]
-            # Positions outside the wave get the wave's first expert; their outputs are dropped.
-            sub_idx = np.where(in_wave[rows], flat_idx[rows], wave[0])
-            y = self._run(flat_x[mx.array(rows)], sub_idx, wave)  # [R, k, D]
+            rows, ranks = np.nonzero(np.isin(flat_idx, wave))  # [P], [P]
+            pair_x = flat_x[mx.array(rows)]  # [P, D]
+            y = self._run(pair_x, flat_idx[rows, ranks][:, None], wave)  # [P, 1, D]
             if out is None:
                 out = mx.zeros((flat_idx.shape[0], k, y.shape[-1]), dtype=y.dtype)
-            mask = mx.array(in_wave[rows])[..., None]
-            out[mx.array(rows)] = mx.where(mask, y, out[mx.array(rows)])
+            out[mx.array(rows), mx.array(ranks)] = y[:, 0]
             mx.eval(out)
             waves += 1
         assert out is not None

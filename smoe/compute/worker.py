@@ -13,9 +13,25 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from smoe.sched.scheduler import ExpertScheduler
+from smoe.sched.scheduler import ExpertScheduler, Reservation
 
 T = TypeVar("T")
+
+
+class Lease:
+    """Pinned slots from ``LoopSlots.reserve``: ``ready[i]`` says slot i was READY already."""
+
+    def __init__(self, source: LoopSlots, reservation: Reservation, ready: list[bool]) -> None:
+        self._source = source
+        self._reservation = reservation
+        self.slots = list(reservation.slots)
+        self.ready = ready
+
+    def wait(self) -> None:
+        """Block until every slot is READY; raises ReadError (the slots are then released)."""
+        if not all(self.ready):
+            self._source._wait(self._reservation)
+            self.ready = [True] * len(self.slots)
 
 
 class LoopSlots:
@@ -32,15 +48,30 @@ class LoopSlots:
         self.acquires = 0
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
+        lease = self.reserve(layer, experts)
+        lease.wait()
+        return lease.slots
+
+    def reserve(self, layer: int, experts: list[int]) -> Lease:
+        """Pin slots and queue the misses; return at once (the reads go on)."""
         start = time.perf_counter()
         future = asyncio.run_coroutine_threadsafe(
-            self.scheduler.acquire(layer, experts, owner=self), self.loop
+            self.scheduler.reserve(layer, experts, owner=self), self.loop
         )
         try:
-            return future.result()
+            reservation = future.result()
         finally:
             self.wait_seconds += time.perf_counter() - start
             self.acquires += 1
+        # A pinned READY slot cannot change, so this snapshot stays true.
+        return Lease(self, reservation, reservation.ready())
+
+    def _wait(self, reservation: Reservation) -> None:
+        start = time.perf_counter()
+        try:
+            asyncio.run_coroutine_threadsafe(reservation.wait(), self.loop).result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def release(self, slots: list[int]) -> None:
         # FIFO with the next acquire's submission: the slots are free before it asks.
