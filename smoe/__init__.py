@@ -4,7 +4,22 @@ The routed experts live in an on-disk vault and stream into a preallocated ring;
 everything else stays resident. See README.md and docs/.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from smoe.errors import CheckpointError, SmoeError, UnsupportedModelError, VaultError
 
+if TYPE_CHECKING:
+    from smoe.engine import Engine
+
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "SmoeError", "UnsupportedModelError", "VaultError", "__version__"]
+__all__ = ["CheckpointError", "Engine", "SmoeError", "UnsupportedModelError", "VaultError",
+           "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # The engine imports MLX; keep `import smoe` light for the CLI and the scheduler.
+    if name == "Engine":
+        from smoe.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

@@ -42,6 +42,7 @@ class GenerationStats:
     hits: int = 0
     misses: int = 0
     hit_rate: float = 0.0
+    decode_hit_rate: float = 0.0  # experts found in the ring during decode steps
     prefill_unique_experts: int = 0  # sum over (chunk, layer) of distinct experts
     prefill_bytes: int = 0
     decode_bytes_per_token: float = 0.0
@@ -249,6 +250,7 @@ class Engine:
         prefill_traces = self.tracer.calls[traces0:]
         stats.prefill_unique_experts = sum(t.unique_experts for t in prefill_traces)
         wait0, t_decode, bytes_decode0 = self.slots.wait_seconds, None, 0
+        dhits0, dmisses0 = sched.hits, sched.misses
         finish = "length"
         for i in range(max_tokens):
             token = await self.compute.run(self.runner.step, seq)
@@ -258,6 +260,7 @@ class Engine:
                 stats.prefill_tok_s = len(ids) / stats.ttft_s
                 stats.prefill_bytes = sched.bytes_read() - bytes0
                 t_decode, bytes_decode0, wait0 = now, sched.bytes_read(), self.slots.wait_seconds
+                dhits0, dmisses0 = sched.hits, sched.misses
             stats.generated_tokens += 1
             if token in eos:
                 finish = "stop"
@@ -278,6 +281,8 @@ class Engine:
             stats.decode_tok_s = decoded / (end - t_decode)
             stats.decode_bytes_per_token = (sched.bytes_read() - bytes_decode0) / decoded
             stats.decode_io_wait_share = (self.slots.wait_seconds - wait0) / (end - t_decode)
+            dh, dm = sched.hits - dhits0, sched.misses - dmisses0
+            stats.decode_hit_rate = dh / (dh + dm) if dh + dm else 0.0
         stats.bytes_read = sched.bytes_read() - bytes0
         stats.hits, stats.misses = sched.hits - hits0, sched.misses - misses0
         asked = stats.hits + stats.misses
