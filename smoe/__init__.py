@@ -12,8 +12,14 @@ if TYPE_CHECKING:
     from smoe.engine import Engine
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "Engine", "SmoeError", "UnsupportedModelError", "VaultError",
-           "__version__"]
+__all__ = [
+    "CheckpointError",
+    "Engine",
+    "SmoeError",
+    "UnsupportedModelError",
+    "VaultError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -289,7 +289,7 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
             f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
             f"prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
             f"decode hit {100 * r['decode_hit_rate']:.0f}%, "
-              f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token, "
+            f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token, "
             f"I/O wait {100 * r['decode_io_wait_share']:.0f}% of decode",
             file=sys.stderr,
         )

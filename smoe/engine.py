@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,10 +30,14 @@ from smoe.io.ring import Ring
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
+if TYPE_CHECKING:
+    from smoe.conversation import Conversation
+
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens actually run (a follow-up turn reuses the rest)
     generated_tokens: int = 0
     ttft_s: float = 0.0  # request to first token
     prefill_tok_s: float = 0.0
@@ -230,13 +234,35 @@ class Engine:
             self.encode(prompt) if isinstance(prompt, str) else prompt, extra=max_tokens
         )
         async with self._lock:
-            async for event in self._generate(ids, max_tokens, params, stop_at_eos):
+            stream = self._stream(
+                lambda: self._fresh(ids, params), len(ids), max_tokens, stop_at_eos
+            )
+            async for event in stream:
                 yield event
 
-    async def _generate(
-        self, ids: list[int], max_tokens: int, params: SamplingParams, stop_at_eos: bool
+    def _fresh(self, ids: list[int], params: SamplingParams) -> tuple[Any, int]:
+        seq = self.runner.start(ids, params)
+        return seq, len(ids) - 1
+
+    def conversation(self, system: str | None = None) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns (see Conversation)."""
+        from smoe.conversation import Conversation
+
+        return Conversation(self, system=system)
+
+    async def load_conversation(self, path: str | Path) -> Conversation:
+        """A conversation saved by ``Conversation.save``; SmoeError if unreadable or made
+        with another vault."""
+        from smoe.conversation import Conversation
+
+        return await Conversation.load(self, path)
+
+    async def _stream(
+        self, prepare: Any, prompt_len: int, max_tokens: int, stop_at_eos: bool
     ) -> AsyncIterator[Event]:
-        stats = GenerationStats(prompt_tokens=len(ids))
+        """Run ``prepare`` (compute thread: returns the sequence ready to sample and how many
+        tokens it prefilled), then decode up to ``max_tokens``. Caller holds the lock."""
+        stats = GenerationStats(prompt_tokens=prompt_len)
         sched = self.scheduler.stats
         bytes0, hits0, misses0 = sched.bytes_read(), sched.hits, sched.misses
         traces0 = len(self.tracer.calls)
@@ -246,7 +272,7 @@ class Engine:
             detok.reset()
 
         t0 = time.perf_counter()
-        seq = await self.compute.run(self.runner.start, ids, params)
+        seq, stats.prefilled_tokens = await self.compute.run(prepare)
         prefill_traces = self.tracer.calls[traces0:]
         stats.prefill_unique_experts = sum(t.unique_experts for t in prefill_traces)
         wait0, t_decode, bytes_decode0 = self.slots.wait_seconds, None, 0
@@ -257,7 +283,7 @@ class Engine:
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - t0
-                stats.prefill_tok_s = len(ids) / stats.ttft_s
+                stats.prefill_tok_s = max(stats.prefilled_tokens, 1) / stats.ttft_s
                 stats.prefill_bytes = sched.bytes_read() - bytes0
                 t_decode, bytes_decode0, wait0 = now, sched.bytes_read(), self.slots.wait_seconds
                 dhits0, dmisses0 = sched.hits, sched.misses

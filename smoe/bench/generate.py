@@ -67,7 +67,7 @@ async def bench_generate(
                     "prefill_tok_s": round(stats.prefill_tok_s, 2),
                     "decode_tok_s": round(stats.decode_tok_s, 3),
                     "hit_rate": round(stats.hit_rate, 4),
-                "decode_hit_rate": round(stats.decode_hit_rate, 4),
+                    "decode_hit_rate": round(stats.decode_hit_rate, 4),
                     "decode_bytes_per_token": int(stats.decode_bytes_per_token),
                     "decode_reads_per_token": round(decode_reads, 2),
                     "decode_io_wait_share": round(stats.decode_io_wait_share, 3),

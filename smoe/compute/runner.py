@@ -48,9 +48,19 @@ class Sequence_:
     """One generation's state on the compute thread: KV cache, tokens, sampler."""
 
     cache: list[Any]
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the stream: prompt(s) and replies
+    cached: int = 0  # leading tokens whose keys/values are in ``cache``
     sampler: Callable[[mx.array], mx.array] | None = None
     processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Runner:
@@ -85,28 +95,60 @@ class Runner:
 
     def start(self, prompt: Sequence[int], params: SamplingParams) -> Sequence_:
         """Prefill all but the prompt's last token (their logits are never computed)."""
+        seq = Sequence_(cache=self.new_cache())
+        self.extend(seq, prompt, params)
+        return seq
+
+    def extend(self, seq: Sequence_, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Make ``seq`` ready to sample after ``prompt`` (the whole new stream), reusing the
+        cached prefix they share: trim the cache to the common prefix and prefill only the
+        rest (all but its last token). Returns how many tokens were prefilled."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         if params.seed is not None:
             mx.random.seed(params.seed)
-        seq = Sequence_(
-            cache=self.new_cache(),
-            tokens=list(prompt),
-            sampler=make_sampler(
-                params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
-            ),
-            processors=make_logits_processors(
-                None, params.repetition_penalty, params.repetition_context
-            )
-            if params.repetition_penalty != 1.0
-            else [],
+        seq.sampler = make_sampler(
+            params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
         )
-        self._feed(prompt[:-1], seq.cache, logits=False)
-        return seq
+        seq.processors = (
+            make_logits_processors(None, params.repetition_penalty, params.repetition_context)
+            if params.repetition_penalty != 1.0
+            else []
+        )
+        prompt = list(prompt)
+        keep = common_prefix(seq.tokens[: seq.cached], prompt)
+        keep = min(keep, len(prompt) - 1)  # the last token must run to give logits
+        if keep < seq.cached:
+            if can_trim_prompt_cache(seq.cache):
+                trim_prompt_cache(seq.cache, seq.cached - keep)
+            else:  # e.g. a sliding-window cache: start over
+                seq.cache, keep = self.new_cache(), 0
+        self._feed(prompt[keep:-1], seq.cache, logits=False)
+        seq.tokens, seq.cached = prompt, len(prompt) - 1
+        return len(prompt) - 1 - keep
+
+    def next_logits(self, seq: Sequence_) -> np.ndarray:
+        """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
+        y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+        seq.cached = len(seq.tokens)
+        return np.array(y[0, -1].astype(mx.float32))
+
+    def copy(self, seq: Sequence_) -> Sequence_:
+        """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
+        cache = self.new_cache()
+        for mine, theirs in zip(cache, seq.cache, strict=True):
+            if not theirs.empty():
+                mine.state = theirs.state
+                if hasattr(theirs, "meta_state"):
+                    mine.meta_state = theirs.meta_state
+        mx.eval([c.state for c in cache if not c.empty()])
+        return Sequence_(cache=cache, tokens=list(seq.tokens), cached=seq.cached)
 
     def step(self, seq: Sequence_) -> int:
         """Run the last token, sample the next one, append it; return it."""
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+        seq.cached = len(seq.tokens)
         logits = y[:, -1, :]
         if seq.processors:
             history = mx.array(seq.tokens)

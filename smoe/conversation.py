@@ -1,0 +1,227 @@
+"""Conversations: multi-turn chats that keep their KV cache and token stream.
+
+A turn templates the whole message list with the vault's chat template, finds the longest
+common prefix with the token stream whose keys/values are cached, trims the cache there
+and prefills only the rest. So a follow-up turn costs its new tokens, not the history.
+
+    conv = engine.conversation(system="Be brief.")
+    async for event in conv.send("Hello!"):
+        print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from smoe.compute.runner import SamplingParams, Sequence_
+from smoe.errors import SmoeError
+
+if TYPE_CHECKING:
+    from smoe.engine import Engine, Event, GenerationStats
+
+FORMAT = "smoe-conversation-1"
+
+
+def vault_fingerprint(engine: Engine) -> str:
+    """Identifies the weights a KV cache was computed with."""
+    m = engine.vault.manifest
+    h = hashlib.sha256(json.dumps(m.checksums).encode())
+    h.update(engine.vault.backbone_path.read_bytes()[:4096])
+    h.update(str(engine.dtype).encode())
+    return h.hexdigest()[:32]
+
+
+class Conversation:
+    """A chat on one engine. Turns run one at a time (the engine's lock).
+
+    Cancelling a reply (breaking out of ``send`` or cancelling its task) keeps what was
+    generated: the partial reply stays in ``messages`` and in the stream, and the next turn
+    continues from there.
+    """
+
+    def __init__(self, engine: Engine, system: str | None = None) -> None:
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self._seq: Sequence_ | None = None
+        self.last_stats: GenerationStats | None = None
+        self.reset(system)
+
+    # -------------------------------------------------------------- state
+    @property
+    def tokens(self) -> list[int]:
+        """The token stream: every templated prompt and reply so far."""
+        return list(self._seq.tokens) if self._seq else []
+
+    def reset(self, system: str | None = None) -> None:
+        """Forget the history (and the cache); keep or replace the system prompt."""
+        if system is not None:
+            self.system = system
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self._seq = None
+
+    def template(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise SmoeError(f"{self.engine.vault.path} has no tokenizer: cannot chat")
+        if getattr(tok, "chat_template", None) is None:
+            raise SmoeError(f"{self.engine.vault.path} has no chat template: use generate")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+
+    def _prepare(self, prompt: list[int], params: SamplingParams) -> tuple[Sequence_, int]:
+        """Compute thread: reuse the cached prefix, prefill the rest."""
+        if self._seq is None:
+            self._seq = Sequence_(cache=self.engine.runner.new_cache())
+        prefilled = self.engine.runner.extend(self._seq, prompt, params)
+        return self._seq, prefilled
+
+    # -------------------------------------------------------------- turns
+    async def send(
+        self,
+        text: str,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+    ) -> AsyncIterator[Event]:
+        """Add a user message and stream the reply (events as ``Engine.generate``).
+
+        Raises SmoeError before any work if the conversation would overflow the context:
+        ``reset()`` (/reset in the REPL) starts over.
+        """
+        params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
+        params.check()
+        messages = [*self.messages, {"role": "user", "content": text}]
+        prompt = self.template(messages)
+        self._check_context(prompt, max_tokens)
+        self.messages = messages
+        reply: list[str] = []
+        engine = self.engine
+        try:
+            async with engine._lock:
+                stream = engine._stream(
+                    lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
+                )
+                async for event in stream:
+                    if event.text:
+                        reply.append(event.text)
+                    if event.stats is not None:
+                        self.last_stats = event.stats
+                    yield event
+        finally:
+            # Also on cancel: the partial reply is part of the history now.
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    async def next_logits(self, text: str) -> np.ndarray:
+        """Logits [vocab] of the reply's first token to ``text``, without sampling or
+        changing ``messages`` (the prompt's keys stay cached for a later ``send``)."""
+        prompt = self.template([*self.messages, {"role": "user", "content": text}])
+        self._check_context(prompt, 1)
+
+        def run() -> np.ndarray:
+            seq, _ = self._prepare(prompt, SamplingParams())
+            return self.engine.runner.next_logits(seq)
+
+        async with self.engine._lock:
+            return await self.engine.compute.run(run)
+
+    def _check_context(self, prompt: list[int], max_tokens: int) -> None:
+        limit = self.engine.max_context
+        if len(prompt) + max_tokens > limit:
+            raise SmoeError(
+                f"the conversation ({len(prompt)} tokens) plus {max_tokens} for the reply "
+                f"would overflow the context of {limit} tokens; /reset to start over "
+                "(or lower max_tokens)"
+            )
+
+    # -------------------------------------------------------------- copies and files
+    async def fork(self) -> Conversation:
+        """An independent copy: same history and cache; turns on either don't affect the other."""
+        other = Conversation(self.engine, self.system)
+        other.messages = [dict(m) for m in self.messages]
+        if self._seq is not None:
+            seq = self._seq
+            async with self.engine._lock:
+                other._seq = await self.engine.compute.run(self.engine.runner.copy, seq)
+        return other
+
+    async def save(self, path: str | Path) -> Path:
+        """Write history, token stream and KV cache to ``path`` (safetensors), atomically."""
+        from mlx_lm.models.cache import save_prompt_cache
+
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            path = path.with_name(path.name + ".safetensors")
+        meta = {
+            "format": FORMAT,
+            "vault": vault_fingerprint(self.engine),
+            "model_type": self.engine.vault.manifest.topology["model_type"],
+            "system": json.dumps(self.system),
+            "messages": json.dumps(self.messages),
+            "tokens": json.dumps(self._seq.tokens if self._seq else []),
+            "cached": str(self._seq.cached if self._seq else 0),
+        }
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
+        seq = self._seq
+
+        def write() -> None:
+            cache = seq.cache if seq is not None else self.engine.runner.new_cache()
+            save_prompt_cache(str(tmp), cache, meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+
+        try:
+            async with self.engine._lock:
+                await self.engine.compute.run(write)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return path
+
+    @classmethod
+    async def load(cls, engine: Engine, path: str | Path) -> Conversation:
+        """Read a conversation written by ``save``. Raises SmoeError (nothing else changes)
+        if the file is unreadable, not a conversation, or was saved with another vault."""
+        from mlx_lm.models.cache import load_prompt_cache
+
+        path = Path(path)
+        if not path.exists() and path.with_name(path.name + ".safetensors").exists():
+            path = path.with_name(path.name + ".safetensors")
+
+        def read() -> tuple[list[Any], dict[str, str]]:
+            return load_prompt_cache(str(path), return_metadata=True)  # type: ignore[no-any-return]
+
+        try:
+            async with engine._lock:
+                cache, meta = await engine.compute.run(read)
+        except FileNotFoundError:
+            raise SmoeError(f"{path} does not exist") from None
+        except Exception as e:  # a corrupt file: say so, keep the current chat
+            raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise SmoeError(f"{path} is not an S-MoE conversation file")
+        if meta.get("vault") != vault_fingerprint(engine):
+            raise SmoeError(
+                f"{path} was saved with another model or dtype "
+                f"({meta.get('model_type')}); load it with the vault it was made with"
+            )
+        conv = cls(engine, json.loads(meta["system"]))
+        conv.messages = json.loads(meta["messages"])
+        conv._seq = Sequence_(
+            cache=cache, tokens=json.loads(meta["tokens"]), cached=int(meta["cached"])
+        )
+        return conv
