@@ -250,6 +250,47 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+
+    return run(_chat(args))
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    import time
+
+    from smoe.chat.demo import demo_vault
+    from smoe.chat.repl import ChatApp, history_file
+    from smoe.engine import Engine
+
+    start = time.perf_counter()
+    vault = args.vault
+    if vault is None:
+        vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
+    async with Engine.open(
+        vault,
+        memory=args.memory,
+        slots=args.slots,
+        workers=args.workers,
+        dtype=args.dtype,
+        prefill_chunk=args.prefill_chunk,
+    ) as engine:
+        print(f"loaded {vault} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        app = ChatApp(
+            engine,
+            engine.conversation(system=args.system),
+            history=history_file(),
+            sampling={
+                "max_tokens": args.max_tokens,
+                "temperature": args.temp,
+                "top_p": args.top_p,
+                "seed": args.seed,
+            },
+        )
+        await app.run()
+    return 0
+
+
 def _memory_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory",
@@ -392,6 +433,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser("chat", help="chat with a model (the built-in demo without VAULT)")
+    ch.add_argument(
+        "vault",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="vault folder (default: the built-in demo, made on first use)",
+    )
+    ch.add_argument("--system", default=None, help="system prompt")
+    ch.add_argument("--max-tokens", type=int, default=512)
+    ch.add_argument("--temp", type=float, default=0.0)
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--seed", type=int, default=None)
+    _memory_option(ch)
+    ch.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")

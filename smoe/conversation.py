@@ -106,23 +106,21 @@ class Conversation:
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt = self.template(messages)
         self._check_context(prompt, max_tokens)
-        self.messages = messages
-        reply: list[str] = []
+        # The reply is recorded as it streams, so the history is right at every moment,
+        # also when the consumer stops iterating (a cancelled reply stays, partial).
+        answer = {"role": "assistant", "content": ""}
+        self.messages = [*messages, answer]
         engine = self.engine
-        try:
-            async with engine._lock:
-                stream = engine._stream(
-                    lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
-                )
-                async for event in stream:
-                    if event.text:
-                        reply.append(event.text)
-                    if event.stats is not None:
-                        self.last_stats = event.stats
-                    yield event
-        finally:
-            # Also on cancel: the partial reply is part of the history now.
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+        async with engine._lock:
+            stream = engine._stream(
+                lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
+            )
+            async for event in stream:
+                if event.text:
+                    answer["content"] += event.text
+                if event.stats is not None:
+                    self.last_stats = event.stats
+                yield event
 
     async def next_logits(self, text: str) -> np.ndarray:
         """Logits [vocab] of the reply's first token to ``text``, without sampling or
@@ -202,14 +200,15 @@ class Conversation:
         if not path.exists() and path.with_name(path.name + ".safetensors").exists():
             path = path.with_name(path.name + ".safetensors")
 
+        if not path.is_file():
+            raise SmoeError(f"{path} does not exist")
+
         def read() -> tuple[list[Any], dict[str, str]]:
             return load_prompt_cache(str(path), return_metadata=True)  # type: ignore[no-any-return]
 
         try:
             async with engine._lock:
                 cache, meta = await engine.compute.run(read)
-        except FileNotFoundError:
-            raise SmoeError(f"{path} does not exist") from None
         except Exception as e:  # a corrupt file: say so, keep the current chat
             raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
         if meta.get("format") != FORMAT:

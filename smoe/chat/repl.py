@@ -1,0 +1,208 @@
+"""`smoe chat`: a prompt_toolkit REPL over a Conversation.
+
+Enter sends, Alt-Enter (Esc then Enter) adds a line. Ctrl-C while a reply streams cancels
+the reply and the chat goes on; Ctrl-C at the prompt clears the line; Ctrl-D quits. The
+prompt runs on the engine's event loop, so reads keep being served while the person types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
+
+from smoe.conversation import Conversation
+from smoe.engine import Engine
+from smoe.errors import SmoeError
+from smoe.units import format_bytes
+
+HELP = """commands:
+  /reset            forget the conversation (keeps the system prompt)
+  /system TEXT      set the system prompt and start over
+  /stats            details of the last reply and of the expert ring
+  /save FILE        save the conversation (history + KV cache)
+  /load FILE        load a saved conversation
+  /help             this text
+  /quit             leave (or Ctrl-D)
+Enter sends; Alt-Enter (Esc, Enter) adds a line; Ctrl-C stops a reply."""
+
+
+def _bindings() -> KeyBindings:
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _send(event: Any) -> None:
+        event.current_buffer.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return kb
+
+
+class ChatApp:
+    """The REPL's state and commands. ``out`` receives the replies and messages."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        conversation: Conversation,
+        *,
+        out: TextIO = sys.stdout,
+        history: History | None = None,
+        session_kwargs: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.conv = conversation
+        self.out = out
+        self.sampling = sampling or {}
+        self.session: PromptSession[str] = PromptSession(
+            history=history or InMemoryHistory(),
+            multiline=True,
+            key_bindings=_bindings(),
+            bottom_toolbar=self.status,
+            prompt_continuation="... ",
+            **(session_kwargs or {}),
+        )
+        self.on_token: Callable[[int], None] | None = None  # tests hook in here
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def status(self) -> str:
+        s = self.conv.last_stats
+        sched = self.engine.scheduler
+        ring = f"ring {sched.fill()}/{sched.num_slots}"
+        if s is None:
+            return f" {ring}  ·  /help for commands"
+        return (
+            f" first token {s.ttft_s:.2f}s  ·  {s.decode_tok_s:.1f} tok/s  ·  "
+            f"hit {100 * s.hit_rate:.0f}%  ·  read {format_bytes(s.bytes_read)}  ·  {ring}"
+        )
+
+    async def run(self) -> None:
+        self.say("S-MoE chat. /help for commands, Ctrl-D to quit.")
+        while True:
+            try:
+                text = await self.session.prompt_async("> ")
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            text = text.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not await self.command(text):
+                    break
+                continue
+            await self.reply(text)
+
+    async def reply(self, text: str) -> None:
+        """Stream a reply; Ctrl-C (SIGINT) cancels it and the chat goes on."""
+        task = asyncio.get_running_loop().create_task(self._stream(text))
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGINT, task.cancel)
+            handler = True
+        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
+            handler = False
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # we ourselves are being cancelled
+            self.say("\n[reply cancelled]")
+        except SmoeError as e:
+            self.say(f"error: {e}")
+        finally:
+            if handler:
+                loop.remove_signal_handler(signal.SIGINT)
+
+    async def _stream(self, text: str) -> None:
+        async for event in self.conv.send(text, **self.sampling):
+            if event.text:
+                self.out.write(event.text)
+                self.out.flush()
+            if event.token is not None and self.on_token is not None:
+                self.on_token(event.token)
+            if event.finish_reason:
+                self.say("")
+
+    async def command(self, line: str) -> bool:
+        """Run a /command; False means quit."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        try:
+            if name in ("/quit", "/exit"):
+                return False
+            if name == "/help":
+                self.say(HELP)
+            elif name == "/reset":
+                self.conv.reset()
+                self.say("[conversation reset]")
+            elif name == "/system":
+                self.conv.reset(system=arg)
+                self.say("[system prompt set; conversation reset]")
+            elif name == "/stats":
+                self.say(self.stats_text())
+            elif name == "/save":
+                if not arg:
+                    raise SmoeError("usage: /save FILE")
+                path = await self.conv.save(Path(arg).expanduser())
+                self.say(f"[saved to {path}]")
+            elif name == "/load":
+                if not arg:
+                    raise SmoeError("usage: /load FILE")
+                self.conv = await self.engine.load_conversation(Path(arg).expanduser())
+                self.say(
+                    f"[loaded {len(self.conv.messages)} messages, {len(self.conv.tokens)} tokens]"
+                )
+            else:
+                self.say(f"unknown command {name}; /help lists them")
+        except SmoeError as e:
+            self.say(f"error: {e}")
+        return True
+
+    def stats_text(self) -> str:
+        s = self.conv.last_stats
+        st = self.engine.scheduler.stats
+        lines = [
+            f"ring: {self.engine.scheduler.fill()}/{self.engine.scheduler.num_slots} slots "
+            f"of {format_bytes(self.engine.ring.stride)}; hits {st.hits}, misses {st.misses}, "
+            f"read {format_bytes(st.bytes_read())} in total"
+        ]
+        if s is not None:
+            lines.append(
+                f"last reply: {s.generated_tokens} tokens; prompt {s.prompt_tokens} tokens, "
+                f"{s.prefilled_tokens} prefilled (the rest reused); first token {s.ttft_s:.2f} s; "
+                f"decode {s.decode_tok_s:.2f} tok/s; hit rate {100 * s.hit_rate:.0f}%; "
+                f"read {format_bytes(s.bytes_read)}; I/O wait {100 * s.decode_io_wait_share:.0f}% "
+                "of decode"
+            )
+        lines.append(
+            f"conversation: {len(self.conv.messages)} messages, "
+            f"{len(self.conv.tokens)} tokens of {self.engine.max_context}"
+        )
+        return "\n".join(lines)
+
+
+def history_file() -> History:
+    from smoe.chat.demo import cache_dir
+
+    path = cache_dir() / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return FileHistory(str(path))
+    except OSError:
+        return InMemoryHistory()
