@@ -16,8 +16,9 @@ from smoe.vault.export import read_layer
 
 @pytest.fixture(scope="module")
 def vault(hf_dir, tmp_path_factory):
-    return convert(hf_dir("qwen3_moe"), tmp_path_factory.mktemp("v") / "v",
-                   ConvertOptions(dtype="float32"))
+    return convert(
+        hf_dir("qwen3_moe"), tmp_path_factory.mktemp("v") / "v", ConvertOptions(dtype="float32")
+    )
 
 
 @pytest.mark.asyncio
@@ -27,8 +28,13 @@ async def test_slots_hold_exactly_the_records_asked_for(vault):
     views = ring.views()
     expected = {s.layer: read_layer(vault, s.layer) for s in m.layers}
     with DirectReader(vault, ring, workers=3) as reader:
-        sched = ExpertScheduler(ring.num_slots, reader, record_of=lambda k: m.record_index(*k),
-                                record_bytes=m.record.stride, workers=3)
+        sched = ExpertScheduler(
+            ring.num_slots,
+            reader,
+            record_of=lambda k: m.record_index(*k),
+            record_bytes=m.record.stride,
+            workers=3,
+        )
         rng = random.Random(0)
         for _ in range(40):
             layer = rng.choice([s.layer for s in m.layers])
@@ -47,8 +53,19 @@ async def test_slots_hold_exactly_the_records_asked_for(vault):
 
 
 def test_bench_io_reports_both_sides(vault, run_cli):
-    code, out, _ = run_cli("bench", "io", vault.path, "--workers", "1,2", "--repeats", "2",
-                           "--slots", "8", "--batch", "4")
+    code, out, _ = run_cli(
+        "bench",
+        "io",
+        vault.path,
+        "--workers",
+        "1,2",
+        "--repeats",
+        "2",
+        "--slots",
+        "8",
+        "--batch",
+        "4",
+    )
     assert code == 0
     report = json.loads(out)
     assert [r["workers"] for r in report["sweep"]] == [1, 2]

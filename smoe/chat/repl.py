@@ -8,10 +8,10 @@ prompt runs on the engine's event loop, so reads keep being served while the per
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 from prompt_toolkit import PromptSession
@@ -159,12 +159,12 @@ class ChatApp:
             elif name == "/save":
                 if not arg:
                     raise SmoeError("usage: /save FILE")
-                path = await self.conv.save(Path(arg).expanduser())
+                path = await self.conv.save(_expand(arg))
                 self.say(f"[saved to {path}]")
             elif name == "/load":
                 if not arg:
                     raise SmoeError("usage: /load FILE")
-                self.conv = await self.engine.load_conversation(Path(arg).expanduser())
+                self.conv = await self.engine.load_conversation(_expand(arg))
                 self.say(
                     f"[loaded {len(self.conv.messages)} messages, {len(self.conv.tokens)} tokens]"
                 )
@@ -195,6 +195,10 @@ class ChatApp:
             f"{len(self.conv.tokens)} tokens of {self.engine.max_context}"
         )
         return "\n".join(lines)
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(path)
 
 
 def history_file() -> History:
