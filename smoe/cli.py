@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vault folder (default: the built-in demo, made on first use)",
     )
     ch.add_argument("--system", default=None, help="system prompt")
-    ch.add_argument("--max-tokens", type=int, default=512)
+    ch.add_argument("--max-tokens", type=int, default=256)
     ch.add_argument("--temp", type=float, default=0.0)
     ch.add_argument("--top-p", type=float, default=1.0)
     ch.add_argument("--seed", type=int, default=None)

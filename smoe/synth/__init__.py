@@ -85,7 +85,7 @@ def _write_checkpoint(
     dtype: str,
     progress: Callable[[str, int, int], None] | None,
 ) -> None:
-    config, specs = layout.build(arch, p, n_layers, dtype)
+    config, specs = layout.build(arch, preset, p, n_layers, dtype)
 
     if progress is not None:
         progress("tokenizer", 0, 1)

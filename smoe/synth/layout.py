@@ -7,9 +7,11 @@ so fused in-memory experts come out in the per-expert on-disk layout transformer
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from smoe.synth.presets import Preset, config_kwargs
@@ -45,7 +47,64 @@ def natural_key(name: str) -> tuple[Any, ...]:
     return tuple((0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", name))
 
 
-def build(arch: str, p: Preset, layers: int, dtype: str) -> tuple[Any, list[TensorSpec]]:
+FROZEN_DIR = Path(__file__).parent / "frozen"
+
+
+@dataclass(frozen=True)
+class FrozenConfig:
+    """A saved config.json text, standing in for the transformers config object."""
+
+    text: str
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        return self.text
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(json.loads(self.text)["max_position_embeddings"])
+
+
+def frozen_path(arch: str, preset: str, layers: int, dtype: str) -> Path:
+    return FROZEN_DIR / f"{arch}-{preset}-{layers}-{dtype}.json"
+
+
+def freeze(arch: str, preset: str, p: Preset, layers: int, dtype: str) -> Path:
+    """Record build()'s result so that this checkpoint can be made without torch (the
+    built-in demo must work after a plain `pip install`)."""
+    config, specs = build_live(arch, p, layers, dtype)
+    path = frozen_path(arch, preset, layers, dtype)
+    data = {
+        "config": config.to_json_string(use_diff=True),
+        "specs": [[s.name, list(s.shape), s.dtype] for s in specs],
+    }
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return path
+
+
+def build(
+    arch: str, preset: str, p: Preset, layers: int, dtype: str
+) -> tuple[Any, list[TensorSpec]]:
+    """(config ready to save, on-disk tensor specs in writing order): from the frozen copy
+    when one ships for this combination, else from transformers (needs torch)."""
+    path = frozen_path(arch, preset, layers, dtype)
+    if path.exists():
+        data = json.loads(path.read_text())
+        specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in data["specs"]]
+        return FrozenConfig(data["config"]), specs
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        from smoe.errors import SmoeError
+
+        raise SmoeError(
+            f"synthesising {arch}/{preset} needs PyTorch (for transformers' layout): "
+            "pip install torch (CPU build) or the test extra"
+        ) from None
+    return build_live(arch, p, layers, dtype)
+
+
+def build_live(arch: str, p: Preset, layers: int, dtype: str) -> tuple[Any, list[TensorSpec]]:
     """Return (transformers config ready to save, on-disk tensor specs in writing order)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
