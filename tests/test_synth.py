@@ -105,7 +105,7 @@ def test_index_and_provenance(tiny: dict[str, Path]) -> None:
 
 def test_real_geometry_layout_without_weights() -> None:
     p = PRESETS["qwen3-235b-a22b"]
-    config, specs = layout.build("qwen3_moe", p, 2, "bfloat16")
+    config, specs = layout.build_live("qwen3_moe", p, 2, "bfloat16")
     by_name = {s.name: s for s in specs}
     assert by_name["model.layers.1.mlp.experts.127.up_proj.weight"].shape == (1536, 4096)
     assert by_name["model.layers.0.self_attn.q_proj.weight"].shape == (64 * 128, 4096)
