@@ -212,6 +212,8 @@ async def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prefill_chunk=args.prefill_chunk,
     ) as engine:
+        if args.routing_archive:
+            engine.start_recording(args.archive_depth)
         async for event in engine.generate(
             prompt,
             max_tokens=args.max_tokens,
@@ -232,6 +234,8 @@ async def _generate(args: argparse.Namespace) -> int:
                 stats, finish = event.stats.to_json(), event.finish_reason
         stats["ring_slots"] = engine.ring.num_slots
         stats["ring_bytes"] = engine.ring.nbytes
+        if args.routing_archive:
+            stats["routing_archive"] = str(engine.stop_recording().save(args.routing_archive))
     if args.json:
         print(
             json.dumps(
@@ -337,6 +341,56 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+    from smoe.bench.decode import bench_decode, bench_prefill
+
+    budgets = args.budgets.split(",")
+    if args.bench == "decode":
+        report = run(
+            bench_decode(
+                str(args.vault),
+                budgets,
+                prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens,
+                workers=args.workers,
+                seed=args.seed,
+            )
+        )
+    else:
+        report = run(
+            bench_prefill(
+                str(args.vault),
+                budgets,
+                prompt_tokens=args.prompt_tokens,
+                workers=args.workers,
+                seed=args.seed,
+            )
+        )
+    if args.plot and args.bench == "decode":
+        from smoe.bench.plots import plot_time_breakdown
+
+        plot_time_breakdown(report["runs"], args.plot)
+        report["plot"] = str(args.plot)
+    print(json.dumps(report, indent=1))
+    for r in report["runs"]:
+        if args.bench == "decode":
+            print(
+                f"{r['budget']:>6} ({r['ring_slots']} slots): {r['decode_tok_s']:.2f} tok/s, "
+                f"{1e3 * r['time_per_token_s']:.1f} ms/token vs limit "
+                f"{1e3 * r['physical_limit_s']:.1f} ms ({r['ratio_to_limit']:.2f}x); "
+                f"hit {100 * r['decode_hit_rate']:.0f}%, {r['bytes_per_token'] / 1e6:.1f} MB/token",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
+                f"{r['prefill_tok_s']:.1f} tok/s, read {r['prefill_bytes'] / 1e6:.0f} MB",
+                file=sys.stderr,
+            )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
 
@@ -431,6 +485,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='print one JSON object with "tokens", "text" and "stats"',
     )
+    g.add_argument(
+        "--routing-archive",
+        type=Path,
+        default=None,
+        help="record every routing decision (with deeper gate ranks) to this .npz",
+    )
+    g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
 
@@ -483,6 +544,25 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--workers", type=int, default=4)
     bg.add_argument("--seed", type=int, default=0)
     bg.set_defaults(func=cmd_bench_generate)
+
+    for name, prompt_default, doc in (
+        ("decode", 16, "decode tok/s, bytes/token, I/O wait, vs the physical limit"),
+        ("prefill", 256, "time to first token and prefill tok/s of a long prompt"),
+    ):
+        bd = bsub.add_parser(name, help=doc)
+        bd.add_argument("vault", type=Path)
+        bd.add_argument("--budgets", default="min,half,all")
+        bd.add_argument("--prompt-tokens", type=int, default=prompt_default)
+        bd.add_argument("--max-tokens", type=int, default=48)
+        bd.add_argument("--workers", type=int, default=4)
+        bd.add_argument("--seed", type=int, default=0)
+        bd.add_argument(
+            "--plot",
+            type=Path,
+            default=None,
+            help="write a PNG of the per-token time breakdown (needs smoe[plot])",
+        )
+        bd.set_defaults(func=cmd_bench_decode)
 
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
     e.add_argument("vault", type=Path)

@@ -153,7 +153,7 @@ class Engine:
         from smoe.compute.model import build_model
 
         model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
-        return Runner(model, chunk=self.options.prefill_chunk)
+        return Runner(model, chunk=self.options.prefill_chunk, tracer=self.tracer)
 
     def _load_tokenizer(self) -> Any:
         from mlx_lm.utils import load_tokenizer
@@ -179,6 +179,31 @@ class Engine:
         if hasattr(self, "reader"):
             self.reader.close()
         self._opened = False
+
+    # ---------------------------------------------------------------- routing archive
+    def start_recording(self, depth: int = 16) -> None:
+        """Record every (token, MoE layer) routing decision with its top-``depth`` gate
+        ranking from now on (see smoe.telemetry.archive)."""
+        from smoe.telemetry.archive import ArchiveRecorder
+
+        m = self.vault.manifest
+        self.tracer.recorder = ArchiveRecorder(
+            m.num_experts, int(m.topology["experts_per_token"]), [s.layer for s in m.layers], depth
+        )
+
+    def stop_recording(self) -> Any:
+        """Stop recording; return the RoutingArchive (None if not recording)."""
+        recorder, self.tracer.recorder = self.tracer.recorder, None
+        self.tracer.gates.clear()
+        if recorder is None:
+            return None
+        return recorder.archive(
+            {
+                "vault": str(self.vault.path),
+                "model_type": self.vault.manifest.topology["model_type"],
+                "record_bytes": self.vault.manifest.record.stride,
+            }
+        )
 
     # ---------------------------------------------------------------- API
     def _check_tokens(self, tokens: Sequence[int], extra: int = 0) -> list[int]:

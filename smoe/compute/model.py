@@ -14,7 +14,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from smoe.compute.streaming import SlotSource, StreamingExperts, Tracer, ring_module
+from smoe.compute.streaming import (
+    RouterTap,
+    SlotSource,
+    StreamingExperts,
+    Tracer,
+    ring_module,
+)
 from smoe.errors import VaultError
 from smoe.io.ring import Ring
 from smoe.topology import model_classes
@@ -56,6 +62,22 @@ def _resolve(root: nn.Module, path: str) -> tuple[Any, str]:
     return parent, parts[-1]
 
 
+def _tap_router(block: Any, layer: int, num_experts: int, tracer: Tracer) -> None:
+    """Wrap the block's router (the Linear beside the experts with one output per expert)
+    so the routing archive can record the full gate ranking, not only the top-k."""
+    for name, child in list(block.children().items()):
+        weight = getattr(child, "weight", None)
+        if (
+            isinstance(child, nn.Module)
+            and weight is not None
+            and weight.ndim == 2
+            and weight.shape[0] == num_experts
+            and not isinstance(child, StreamingExperts)
+        ):
+            setattr(block, name, RouterTap(child, layer, tracer))
+            return
+
+
 def build_model(
     vault: Vault,
     ring: Ring,
@@ -77,12 +99,10 @@ def build_model(
 
     views = ring.views()
     num_experts = vault.manifest.num_experts
-    expert_prefixes = []
     for spec in vault.manifest.layers:
         parent, attr = _resolve(model, spec.module)
         inner = ring_module(getattr(parent, attr), views)
         setattr(parent, attr, StreamingExperts(inner, spec.layer, num_experts, source, tracer))
-        expert_prefixes.append(spec.module + ".")
 
     expected = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - set(weights))
@@ -98,4 +118,10 @@ def build_model(
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    if tracer is not None:  # after loading: the taps change parameter paths
+        for spec in vault.manifest.layers:
+            parent, _ = _resolve(model, spec.module)
+            _tap_router(parent, spec.layer, num_experts, tracer)
+        if vault.manifest.layers:
+            tracer.first_layer = vault.manifest.layers[0].layer
     return model

@@ -66,9 +66,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Runner:
     """Runs ``model`` (with streamed experts) on the compute thread."""
 
-    def __init__(self, model: Any, chunk: int = 64) -> None:
+    def __init__(self, model: Any, chunk: int = 64, tracer: Any = None) -> None:
         self.model = model
         self.chunk = chunk
+        self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
+
+    def _phase(self, phase: int) -> None:
+        if self.tracer is not None:
+            self.tracer.phase = phase
 
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
@@ -76,6 +81,7 @@ class Runner:
     def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
         """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
         out = []
+        self._phase(0)
         for start in range(0, len(tokens), self.chunk):
             piece = mx.array(tokens[start : start + self.chunk])[None]
             y = self.model(piece, cache=cache)
@@ -130,6 +136,7 @@ class Runner:
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
+        self._phase(1)
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
         seq.cached = len(seq.tokens)
         return np.array(y[0, -1].astype(mx.float32))
@@ -147,6 +154,7 @@ class Runner:
 
     def step(self, seq: Sequence_) -> int:
         """Run the last token, sample the next one, append it; return it."""
+        self._phase(1)
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
         seq.cached = len(seq.tokens)
         logits = y[:, -1, :]

@@ -20,10 +20,14 @@ import numpy as np
 
 class Lease(Protocol):
     slots: list[int]  # one per requested expert, in request order
-    ready: list[bool]  # which were READY when reserved
+    ready: list[bool]  # which are known to be READY
 
     def wait(self) -> None:
         """Block until every slot is READY (raises the read's error, slots released)."""
+        ...
+
+    def wait_any(self, positions: list[int]) -> list[int]:
+        """Block until some of ``positions`` are READY; return those that are."""
         ...
 
 
@@ -60,6 +64,41 @@ class LayerTrace:
 class Tracer:
     calls: list[LayerTrace] = field(default_factory=list)
     on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
+    recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
+    phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
+    first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
+    gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
+
+
+class RouterTap(nn.Module):
+    """Wraps a MoE block's router so its logits can be read for the routing archive."""
+
+    def __init__(self, router: nn.Module, layer: int, tracer: Tracer) -> None:
+        super().__init__()
+        self.router = router
+        object.__setattr__(self, "_tracer", tracer)
+        object.__setattr__(self, "_layer", layer)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = self.router(x)
+        if self._tracer.recorder is not None:
+            self._tracer.gates[self._layer] = out
+        return out
+
+
+def gate_ranking(gates: np.ndarray, used: np.ndarray, depth: int) -> np.ndarray:
+    """[T, depth] expert ids: the experts used (by descending gate score), then the rest.
+
+    gates: [T, E] router logits; used: [T, k] the experts the block chose.
+    """
+    t, e = gates.shape
+    order = np.argsort(-gates, axis=-1, kind="stable")  # [T, E]
+    is_used = np.zeros((t, e), bool)
+    np.put_along_axis(is_used, used, True, axis=-1)
+    used_first = np.take_along_axis(is_used, order, axis=-1)
+    # stable sort on "not used" keeps gate order within the used and within the rest
+    ranked = np.take_along_axis(order, np.argsort(~used_first, axis=-1, kind="stable"), -1)
+    return ranked[:, :depth]
 
 
 class StreamingExperts(nn.Module):
@@ -88,8 +127,18 @@ class StreamingExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
         idx = np.array(indices)  # evaluates the routing from the true hidden state
-        if self._tracer is not None and self._tracer.on_routing is not None:
-            self._tracer.on_routing(self.layer, idx.reshape(-1, idx.shape[-1]))
+        tracer = self._tracer
+        if tracer is not None:
+            flat = idx.reshape(-1, idx.shape[-1])
+            if tracer.on_routing is not None:
+                tracer.on_routing(self.layer, flat)
+            if tracer.recorder is not None:
+                if self.layer == tracer.first_layer:
+                    tracer.recorder.begin(flat.shape[0], tracer.phase)
+                gates = tracer.gates.pop(self.layer, None)
+                if gates is not None:
+                    g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
+                    tracer.recorder.record(self.layer, gate_ranking(g, flat, tracer.recorder.depth))
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
         resident = 0
@@ -114,39 +163,38 @@ class StreamingExperts(nn.Module):
     def _run_overlapped(
         self, x: mx.array, idx: np.ndarray, experts: list[int]
     ) -> tuple[mx.array, int]:
-        """Compute the experts already in the ring while the misses are being read.
-        Returns the output and how many experts were resident."""
+        """Compute each expert as soon as its slot is READY: the resident ones at once,
+        the misses in the order their reads complete. Returns the output and how many
+        experts were resident."""
         lease = self._source.reserve(self.layer, experts)
         resident = int(sum(lease.ready))
         try:
-            if resident in (0, len(experts)):
-                lease.wait()
+            if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots), resident
             # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
             k = idx.shape[-1]
             flat_idx = idx.reshape(-1, k)
             flat_x = x.reshape(-1, x.shape[-1])
             out: mx.array | None = None
-            was_ready = list(lease.ready)
-            for first_part in (True, False):  # the resident experts, then the misses
-                if not first_part:
-                    lease.wait()
-                part = [
-                    (e, s)
-                    for e, s, r in zip(experts, lease.slots, was_ready, strict=True)
-                    if r == first_part
-                ]
-                rows, ranks = np.nonzero(np.isin(flat_idx, [e for e, _ in part]))
+            pending = list(range(len(experts)))
+            ready = [i for i in pending if lease.ready[i]]
+            while pending:
+                if not ready:
+                    ready = lease.wait_any(pending)
+                pending = [i for i in pending if i not in ready]
+                part = [experts[i] for i in ready]
+                rows, ranks = np.nonzero(np.isin(flat_idx, part))
                 y = self._compute(
                     flat_x[mx.array(rows)],
                     flat_idx[rows, ranks][:, None],
-                    [e for e, _ in part],
-                    [s for _, s in part],
+                    part,
+                    [lease.slots[i] for i in ready],
                 )  # [P, 1, D]
                 if out is None:
                     out = mx.zeros((flat_idx.shape[0], k, y.shape[-1]), dtype=y.dtype)
                 out[mx.array(rows), mx.array(ranks)] = y[:, 0]
                 mx.eval(out)
+                ready = []
             assert out is not None
             return out.reshape(*idx.shape, out.shape[-1]), resident
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from smoe.sched.scheduler import ExpertScheduler, Reservation
@@ -30,8 +30,15 @@ class Lease:
     def wait(self) -> None:
         """Block until every slot is READY; raises ReadError (the slots are then released)."""
         if not all(self.ready):
-            self._source._wait(self._reservation)
+            self._source._wait(self._reservation.wait())
             self.ready = [True] * len(self.slots)
+
+    def wait_any(self, positions: list[int]) -> list[int]:
+        """Block until some of ``positions`` are READY; return those that are."""
+        done: list[int] = self._source._wait(self._reservation.wait_any(positions))
+        for p in done:
+            self.ready[p] = True
+        return done
 
 
 class LoopSlots:
@@ -66,10 +73,10 @@ class LoopSlots:
         # A pinned READY slot cannot change, so this snapshot stays true.
         return Lease(self, reservation, reservation.ready())
 
-    def _wait(self, reservation: Reservation) -> None:
+    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         start = time.perf_counter()
         try:
-            asyncio.run_coroutine_threadsafe(reservation.wait(), self.loop).result()
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         finally:
             self.wait_seconds += time.perf_counter() - start
 

@@ -77,14 +77,26 @@ class Reservation:
             raise
         return list(self.slots)
 
-    async def wait_slot(self, position: int) -> int:
-        """Wait for one slot (by position in the request); raise its ReadError."""
-        f = self._futures[position]
-        if not f.done():
-            await asyncio.wait([f])
-        if f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-        return self.slots[position]
+    async def wait_any(self, positions: list[int]) -> list[int]:
+        """Wait until at least one of ``positions`` (indices into the request) is READY;
+        return all of them that are. A failed read raises its ReadError after releasing
+        everything, as ``wait`` does."""
+        try:
+            futures = [self._futures[p] for p in positions]
+            if not any(f.done() for f in futures):
+                await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+            done = []
+            for p, f in zip(positions, futures, strict=True):
+                if f.done():
+                    if f.cancelled():
+                        raise asyncio.CancelledError
+                    if f.exception() is not None:
+                        raise f.exception()  # type: ignore[misc]
+                    done.append(p)
+        except BaseException:
+            self.release()
+            raise
+        return done
 
     def release(self) -> None:
         if not self.released:

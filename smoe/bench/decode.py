@@ -1,0 +1,135 @@
+"""`smoe bench decode` / `smoe bench prefill`: where each token's time goes, against the
+physical limit measured in the same run.
+
+decode: for each budget a fresh engine (empty ring, O_DIRECT so the page cache is out of
+the way) generates ``max_tokens`` greedy tokens after a short prompt. Beside it, in the same
+run: the raw disk bandwidth (plain O_DIRECT preadv of whole records, the engine's worker
+count) and the compute time per token (decode with every expert resident: no I/O). The
+physical limit for a budget is max(bytes missed per token / raw bandwidth, compute per
+token): no engine can beat both the disk and the arithmetic.
+
+prefill: time to first token and prefill tok/s for a long prompt at each budget, with the
+bytes read and the distinct experts per (chunk, layer).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from smoe.bench.generate import budget_slots
+from smoe.bench.io import baseline_run, drop_file_cache
+from smoe.engine import Engine
+from smoe.vault.format import Vault
+
+
+async def _run(
+    vault: Vault, slots: int, prompt: list[int], max_tokens: int, workers: int, warm: bool = False
+) -> Any:
+    async with Engine.open(vault.path, slots=slots, workers=workers) as engine:
+        if warm:  # fill the ring first: then the measured pass does no I/O
+            async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
+                pass
+        stats = None
+        async for ev in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
+            stats = ev.stats or stats
+        return stats, engine.ring.huge_pages, engine.reader.direct
+
+
+def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) -> float:
+    """GB/s of plain O_DIRECT preadv of whole random records (the disk's own limit)."""
+    m = vault.manifest
+    order = random.Random(seed).sample(range(m.num_records), min(records, m.num_records))
+    drop_file_cache(vault.experts_path)
+    return baseline_run(vault.experts_path, m.record.stride, order, workers).gbps
+
+
+async def bench_decode(
+    vault_path: str,
+    budgets: list[str],
+    prompt_tokens: int = 16,
+    max_tokens: int = 48,
+    workers: int = 4,
+    seed: int = 0,
+) -> dict[str, Any]:
+    vault = Vault.open(vault_path)
+    m = vault.manifest
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    bandwidth = raw_bandwidth(vault, workers, seed=seed)
+    warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, warm=True)
+    compute_s = 1.0 / warm.decode_tok_s
+    rows = []
+    for budget in budgets:
+        slots = budget_slots(vault, budget)
+        stats, huge, direct = await _run(vault, slots, prompt, max_tokens, workers)
+        per_token = 1.0 / stats.decode_tok_s
+        io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
+        bound = max(io_s, compute_s)
+        wait = stats.decode_io_wait_share * per_token
+        rows.append(
+            {
+                "budget": budget,
+                "ring_slots": slots,
+                "ring_share_of_experts": round(slots / m.num_records, 3),
+                "decode_tok_s": round(stats.decode_tok_s, 3),
+                "time_per_token_s": round(per_token, 5),
+                "decode_hit_rate": round(stats.decode_hit_rate, 4),
+                "bytes_per_token": int(stats.decode_bytes_per_token),
+                "io_bound_s": round(io_s, 5),
+                "compute_bound_s": round(compute_s, 5),
+                "physical_limit_s": round(bound, 5),
+                "ratio_to_limit": round(per_token / bound, 3),
+                "io_wait_s": round(wait, 5),
+                "compute_s": round(compute_s, 5),
+                "other_s": round(max(per_token - wait - compute_s, 0.0), 5),
+                "huge_pages": huge,
+                "direct_io": direct,
+            }
+        )
+    return {
+        "benchmark": "decode",
+        "vault": str(vault.path),
+        "experts_bytes": m.experts_bytes,
+        "record_bytes": m.record.size,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "workers": workers,
+        "raw_disk_GBps": round(bandwidth, 3),
+        "compute_per_token_s": round(compute_s, 5),
+        "runs": rows,
+    }
+
+
+async def bench_prefill(
+    vault_path: str, budgets: list[str], prompt_tokens: int = 256, workers: int = 4, seed: int = 0
+) -> dict[str, Any]:
+    vault = Vault.open(vault_path)
+    m = vault.manifest
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    rows = []
+    for budget in budgets:
+        slots = budget_slots(vault, budget)
+        stats, huge, direct = await _run(vault, slots, prompt, 1, workers)
+        rows.append(
+            {
+                "budget": budget,
+                "ring_slots": slots,
+                "ttft_s": round(stats.ttft_s, 4),
+                "prefill_tok_s": round(stats.prefill_tok_s, 2),
+                "prefill_bytes": stats.prefill_bytes,
+                "bytes_per_prompt_token": int(stats.prefill_bytes / prompt_tokens),
+                "unique_experts_per_chunk_layer_sum": stats.prefill_unique_experts,
+                "hit_rate": round(stats.hit_rate, 4),
+                "huge_pages": huge,
+                "direct_io": direct,
+            }
+        )
+    return {
+        "benchmark": "prefill",
+        "vault": str(vault.path),
+        "prompt_tokens": prompt_tokens,
+        "workers": workers,
+        "runs": rows,
+    }

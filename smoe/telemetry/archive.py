@@ -1,0 +1,154 @@
+"""Routing archive: every (token, MoE layer) routing decision with its gate ranking.
+
+Stored as a compressed .npz (numpy only, so the policy tools read it anywhere):
+  ranks  uint16 [N, L, R]  expert ids by descending gate score; ranks[..., :top_k] were used
+  batch  int32  [N]        tokens with the same id were routed together (one prefill chunk,
+                           or one decode step): a replay requests their union per layer
+  phase  uint8  [N]        0 = prefill, 1 = decode
+  layers int32  [L]        the decoder layer of each MoE layer
+  meta   JSON string       num_experts, top_k, depth R, source, ...
+N tokens in processing order. Written atomically (temp name, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PREFILL, DECODE = 0, 1
+
+
+@dataclass
+class RoutingArchive:
+    num_experts: int
+    top_k: int
+    layers: list[int]
+    ranks: np.ndarray  # uint16 [N, L, R]
+    batch: np.ndarray  # int32 [N]
+    phase: np.ndarray  # uint8 [N]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        return int(self.ranks.shape[2])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ranks.shape[0])
+
+    def requests(self, phase: int | None = None) -> list[tuple[int, list[int]]]:
+        """(layer position, sorted distinct experts) per (batch, layer), in order: what the
+        engine asks the scheduler for."""
+        out: list[tuple[int, list[int]]] = []
+        keep = np.ones(self.num_tokens, bool) if phase is None else self.phase == phase
+        idx = np.nonzero(keep)[0]
+        if idx.size == 0:
+            return out
+        starts = np.nonzero(np.diff(self.batch[idx], prepend=self.batch[idx][0] - 1))[0]
+        bounds = list(starts) + [idx.size]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            rows = idx[a:b]
+            for pos in range(len(self.layers)):
+                experts = np.unique(self.ranks[rows, pos, : self.top_k])
+                out.append((pos, experts.tolist()))
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_name(path.name + ".npz")
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
+        meta = {
+            **self.meta,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "format": "smoe-routing-1",
+        }
+        try:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(
+                    f,
+                    ranks=self.ranks.astype(np.uint16),
+                    batch=self.batch,
+                    phase=self.phase,
+                    layers=np.asarray(self.layers, np.int32),
+                    meta=np.array(json.dumps(meta)),
+                )
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingArchive:
+        from smoe.errors import SmoeError
+
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != "smoe-routing-1":
+                    raise SmoeError(f"{path} is not an S-MoE routing archive")
+                return cls(
+                    int(meta["num_experts"]),
+                    int(meta["top_k"]),
+                    z["layers"].tolist(),
+                    z["ranks"],
+                    z["batch"],
+                    z["phase"],
+                    meta,
+                )
+        except (OSError, KeyError, ValueError) as e:
+            raise SmoeError(f"cannot read routing archive {path} ({e})") from None
+
+
+class ArchiveRecorder:
+    """Collects routing from the compute thread; ``archive()`` assembles the file's arrays."""
+
+    def __init__(self, num_experts: int, top_k: int, layers: list[int], depth: int) -> None:
+        self.num_experts, self.top_k, self.layers = num_experts, top_k, layers
+        self.depth = min(depth, num_experts)
+        self._pos = {layer: i for i, layer in enumerate(layers)}
+        self._rows: list[np.ndarray] = []  # per batch: [T, L, R]
+        self._phases: list[int] = []
+        self._current: np.ndarray | None = None
+        self._phase = PREFILL
+
+    def begin(self, tokens: int, phase: int) -> None:
+        """A new batch of ``tokens`` tokens (a prefill chunk or a decode step) starts."""
+        self._current = np.zeros((tokens, len(self.layers), self.depth), np.uint16)
+        self._rows.append(self._current)
+        self._phases.append(phase)
+
+    def record(self, layer: int, ranking: np.ndarray) -> None:
+        """``ranking`` [T, >=R]: this batch's expert ids by descending gate score."""
+        if self._current is not None and ranking.shape[0] == self._current.shape[0]:
+            self._current[:, self._pos[layer], :] = ranking[:, : self.depth]
+
+    def archive(self, meta: dict[str, Any] | None = None) -> RoutingArchive:
+        if not self._rows:
+            ranks = np.zeros((0, len(self.layers), self.depth), np.uint16)
+            return RoutingArchive(
+                self.num_experts,
+                self.top_k,
+                self.layers,
+                ranks,
+                np.zeros(0, np.int32),
+                np.zeros(0, np.uint8),
+                meta or {},
+            )
+        ranks = np.concatenate(self._rows)
+        batch = np.concatenate([np.full(len(r), i, np.int32) for i, r in enumerate(self._rows)])
+        phase = np.concatenate(
+            [np.full(len(r), p, np.uint8) for r, p in zip(self._rows, self._phases, strict=True)]
+        )
+        return RoutingArchive(
+            self.num_experts, self.top_k, self.layers, ranks, batch, phase, meta or {}
+        )

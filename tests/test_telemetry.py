@@ -1,0 +1,82 @@
+"""Routing archive recording, and the decode/prefill benchmarks on a tiny vault."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from smoe.engine import Engine
+from smoe.synth import synthesize
+from smoe.telemetry.archive import DECODE, PREFILL, RoutingArchive
+from smoe.vault.convert import ConvertOptions, convert
+
+
+@pytest.fixture(scope="module")
+def vault(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tel")
+    return convert(
+        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=5),
+        root / "v",
+        ConvertOptions(dtype="float32"),
+    )
+
+
+@pytest.mark.asyncio
+async def test_archive_records_exact_routing_and_gate_order(vault, tmp_path):
+    used: list[tuple[int, np.ndarray]] = []
+    prompt = list(range(10, 90))  # 79 prefilled tokens: chunks of 64 and 15
+    async with Engine.open(vault.path, slots=4) as engine:
+        expected_logits = await engine.logits(prompt)
+        engine.tracer.on_routing = lambda layer, idx: used.append((layer, idx.copy()))
+        engine.start_recording(depth=6)
+        assert np.array_equal(await engine.logits(prompt), expected_logits)  # no effect
+        archive = engine.stop_recording()
+        engine.tracer.on_routing = None
+    k = vault.manifest.topology["experts_per_token"]
+    assert archive.ranks.shape == (len(prompt), len(vault.manifest.layers), 6)
+    assert archive.batch.tolist() == [0] * 64 + [1] * 16
+    assert set(archive.phase.tolist()) == {PREFILL}
+    positions = {s.layer: i for i, s in enumerate(vault.manifest.layers)}
+    offsets: dict[int, int] = {}
+    for layer, idx in used:  # one call per (chunk, layer), in order
+        start = offsets.get(layer, 0)
+        got = archive.ranks[start : start + len(idx), positions[layer], :k]
+        assert [set(r) for r in got.tolist()] == [set(r) for r in idx.tolist()]
+        offsets[layer] = start + len(idx)
+    # each row is a ranking: no expert twice
+    assert all(len(set(r)) == 6 for r in archive.ranks.reshape(-1, 6).tolist())
+    path = archive.save(tmp_path / "run")
+    again = RoutingArchive.load(path)
+    assert np.array_equal(again.ranks, archive.ranks) and again.top_k == k
+    reqs = again.requests()
+    assert len(reqs) == 2 * len(vault.manifest.layers)  # (chunk, layer) pairs
+
+
+@pytest.mark.asyncio
+async def test_decode_steps_are_their_own_batches(vault):
+    async with Engine.open(vault.path) as engine:
+        engine.start_recording(depth=4)
+        async for _ in engine.generate([5, 6, 7, 8], max_tokens=5, stop_at_eos=False):
+            pass
+        archive = engine.stop_recording()
+    assert archive.phase.tolist() == [PREFILL] * 3 + [DECODE] * 5
+    assert archive.batch.tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+
+
+def test_bench_decode_and_prefill_report(vault, run_cli):
+    code, out, err = run_cli(
+        "bench", "decode", vault.path, "--budgets", "min,all", "--max-tokens", "6"
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["raw_disk_GBps"] > 0 and report["compute_per_token_s"] > 0
+    for row in report["runs"]:
+        assert row["physical_limit_s"] == max(row["io_bound_s"], row["compute_bound_s"])
+        assert row["ratio_to_limit"] > 0
+    code, out, err = run_cli(
+        "bench", "prefill", vault.path, "--budgets", "min", "--prompt-tokens", "70"
+    )
+    assert code == 0, err
+    assert json.loads(out)["runs"][0]["prefill_bytes"] > 0
