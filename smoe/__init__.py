@@ -4,12 +4,9 @@ The routed experts live in an on-disk vault and stream into a preallocated ring;
 everything else stays resident. See README.md and docs/.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from smoe.errors import CheckpointError, SmoeError, UnsupportedModelError, VaultError
-
-if TYPE_CHECKING:
-    from smoe.engine import Engine
 
 __version__ = "0.1.0"
 __all__ = [
