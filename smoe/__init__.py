@@ -22,7 +22,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The engine imports MLX; keep `import smoe` light for the CLI and the scheduler.
     if name == "Engine":
-        from smoe.engine import Engine
+        import importlib
 
-        return Engine
+        return importlib.import_module("smoe.engine").Engine
     raise AttributeError(name)
