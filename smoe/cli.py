@@ -211,6 +211,7 @@ async def _generate(args: argparse.Namespace) -> int:
         workers=args.workers,
         dtype=args.dtype,
         prefill_chunk=args.prefill_chunk,
+        policy=args.policy,
     ) as engine:
         if args.routing_archive:
             engine.start_recording(args.archive_depth)
@@ -278,6 +279,7 @@ async def _chat(args: argparse.Namespace) -> int:
         workers=args.workers,
         dtype=args.dtype,
         prefill_chunk=args.prefill_chunk,
+        policy=args.policy,
     ) as engine:
         print(f"loaded {vault} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         app = ChatApp(
@@ -312,6 +314,11 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
     )
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
+    p.add_argument(
+        "--policy",
+        default="lfu",
+        help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer",
+    )
 
 
 def cmd_bench_generate(args: argparse.Namespace) -> int:
@@ -388,6 +395,30 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 f"{r['prefill_tok_s']:.1f} tok/s, read {r['prefill_bytes'] / 1e6:.0f} MB",
                 file=sys.stderr,
             )
+    return 0
+
+
+def cmd_bench_policy(args: argparse.Namespace) -> int:
+    from smoe.bench.policy import main as policy_main
+
+    return policy_main(args.rest)
+
+
+def cmd_bench_locality(args: argparse.Namespace) -> int:
+    from smoe.bench.policy import bench_locality
+    from smoe.telemetry.archive import RoutingArchive
+
+    report = bench_locality(RoutingArchive.load(args.archive))
+    print(json.dumps(report, indent=1))
+    print(json.dumps(report.get("headline", {})), file=sys.stderr)
+    return 0
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    from smoe.telemetry.traces import preset_trace
+
+    archive = preset_trace(args.preset, args.tokens, seed=args.seed, layers=args.layers)
+    print(f"wrote {archive.save(args.out)}")
     return 0
 
 
@@ -563,6 +594,25 @@ def build_parser() -> argparse.ArgumentParser:
             help="write a PNG of the per-token time breakdown (needs smoe[plot])",
         )
         bd.set_defaults(func=cmd_bench_decode)
+
+    bp = bsub.add_parser(
+        "policy",
+        add_help=False,
+        help="replay a routing archive or a synthetic trace against eviction "
+        "policies and Belady's optimum (--help for options)",
+    )
+    bp.add_argument("rest", nargs=argparse.REMAINDER)
+    bp.set_defaults(func=cmd_bench_policy)
+    bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
+    bl.add_argument("archive", type=Path)
+    bl.set_defaults(func=cmd_bench_locality)
+    bt = bsub.add_parser("trace", help="write a synthetic routing trace with published locality")
+    bt.add_argument("out", type=Path)
+    bt.add_argument("--preset", default="qwen3-235b-like")
+    bt.add_argument("--tokens", type=int, default=2000)
+    bt.add_argument("--layers", type=int, default=None)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.set_defaults(func=cmd_bench_trace)
 
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
     e.add_argument("vault", type=Path)

@@ -74,7 +74,7 @@ class EngineOptions:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
-    policy: str = "lru"
+    policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md
     direct_io: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,0 +1,280 @@
+"""Eviction policies, the cache replay, Belady's optimum and the policy bench."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from smoe.bench.policy import bench_policy, format_table
+from smoe.errors import SmoeError
+from smoe.sched.policy import (
+    ARC,
+    LFU,
+    LRU,
+    POLICIES,
+    SLRU,
+    LRUPerLayer,
+    PinnedHot,
+    make_policy,
+)
+from smoe.sched.replay import KeyStream, replay, replay_belady, replay_scheduler
+from smoe.sched.types import RingTooSmall
+
+
+def single(seq: list[int], layer: int = 0) -> list[tuple[int, list[int]]]:
+    """One key per request."""
+    return [(layer, [x]) for x in seq]
+
+
+def touch(policy: object, *keys: tuple[int, int]) -> None:
+    """Demand each key as the scheduler does on a miss (insert, then the access)."""
+    for key in keys:
+        policy.on_insert(key)  # type: ignore[attr-defined]
+        policy.on_access(key)  # type: ignore[attr-defined]
+
+
+def random_stream(seed: int, n: int = 400, layers: int = 3, experts: int = 12):
+    rng = random.Random(seed)
+    return [
+        (rng.randrange(layers), rng.sample(range(experts), rng.randint(1, 4))) for _ in range(n)
+    ]
+
+
+# ----------------------------------------------------------------- policies
+
+
+def test_registry_and_make_policy() -> None:
+    assert {"lru", "lru-layer", "lfu", "slru", "arc", "hot"} <= set(POLICIES)
+    assert isinstance(make_policy("lru"), LRU)
+    assert make_policy("lfu", half_life=10.0).half_life == 10.0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("nope")
+
+
+def test_lru_evicts_least_recent() -> None:
+    # ring 2: 3 evicts 2 (1 was used more recently), 2 evicts 1, 1 evicts 3.
+    got = replay(single([1, 2, 1, 3, 2, 1]), 2, "lru")
+    assert (got.hits, got.misses) == (1, 5)
+
+
+def test_lfu_keeps_the_frequent_key() -> None:
+    lfu, lru = LFU(half_life=1000.0), LRU()
+    for p in (lfu, lru):
+        touch(p, (0, 1))
+        for _ in range(3):
+            p.on_access((0, 1))
+        touch(p, (0, 2))
+    assert lfu.victim({(0, 1), (0, 2)}) == (0, 2)  # used once
+    assert lru.victim({(0, 1), (0, 2)}) == (0, 1)  # used longest ago
+
+
+def test_lfu_ageing_forgets_old_counts() -> None:
+    # 1 is used 6 times early, then 28 other keys once each, then 99 once.
+    kept = {}
+    for half_life in (1000.0, 2.0):
+        lfu = LFU(half_life=half_life)
+        touch(lfu, (0, 1))
+        for _ in range(5):
+            lfu.on_access((0, 1))
+        for e in range(2, 30):
+            touch(lfu, (0, e))
+        touch(lfu, (0, 99))
+        kept[half_life] = lfu.victim({(0, 1), (0, 99)})
+    assert kept == {1000.0: (0, 99), 2.0: (0, 1)}  # slow ageing: frequency; fast: recency
+
+
+def test_lfu_learns_half_life_at_first_eviction() -> None:
+    lfu = LFU(half_life_slots=3.0)
+    touch(lfu, (0, 1), (0, 2))
+    lfu.on_access((0, 1))
+    assert lfu.half_life is None
+    assert lfu.victim({(0, 1), (0, 2)}) == (0, 2)
+    assert lfu.half_life == 6.0  # 3 x the 2 resident keys
+
+
+def test_arc_resists_a_scan() -> None:
+    # a and b are used twice (T2); a scan of one-time keys must not flush them.
+    stream = single([1, 2, 1, 2, 10, 11, 12, 13, 14, 15, 1, 2])
+    arc, lru = replay(stream, 4, "arc"), replay(stream, 4, "lru")
+    assert arc.hits == lru.hits + 2 == 4
+
+
+def test_arc_ghost_hit_grows_t1_target() -> None:
+    arc = ARC(capacity=3)
+    touch(arc, (0, 1))
+    arc.on_access((0, 1))  # second use: T2
+    touch(arc, (0, 2), (0, 3))
+    v = arc.victim({(0, 1), (0, 2), (0, 3)})
+    assert v == (0, 2)  # |T1| = 2 > p = 0: oldest of T1
+    arc.on_remove(v)
+    touch(arc, (0, 4))
+    assert arc.p == 0.0
+    v = arc.victim({(0, 1), (0, 3), (0, 4)})
+    assert v == (0, 3)
+    arc.on_remove(v)
+    touch(arc, (0, 2))  # 2 returns from ghost list B1: T1 should have been bigger
+    assert arc.p == 1.0
+
+
+def test_arc_failed_read_leaves_no_ghost() -> None:
+    arc = ARC(capacity=2)
+    touch(arc, (0, 1))
+    arc.on_remove((0, 1))  # not chosen by victim(): a failed read
+    touch(arc, (0, 1))
+    assert arc.p == 0.0
+
+
+def test_slru_protects_reused_keys() -> None:
+    stream = single([1, 1, 2, 2, 10, 11, 12, 13, 1, 2])
+    slru, lru = replay(stream, 4, "slru"), replay(stream, 4, "lru")
+    assert slru.hits == lru.hits + 2
+
+
+def test_pinned_hot_keeps_hot_keys() -> None:
+    hot = PinnedHot([(0, 1)])
+    touch(hot, (0, 1), (0, 2), (0, 3))
+    assert hot.victim({(0, 1), (0, 2), (0, 3)}) == (0, 2)  # 1 is oldest but hot
+    assert hot.victim({(0, 1)}) == (0, 1)  # only hot keys are candidates
+    counts = {(0, 1): 5, (0, 2): 9, (0, 3): 1}
+    assert PinnedHot.from_counts(counts, 2).hot == {(0, 1), (0, 2)}
+
+
+def test_lru_per_layer_evicts_from_the_fullest_layer() -> None:
+    pol = LRUPerLayer()
+    touch(pol, (1, 0), (0, 1), (0, 2), (0, 3))
+    assert pol.victim({(1, 0), (0, 1), (0, 2), (0, 3)}) == (0, 1)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_victim_is_always_a_candidate(name: str) -> None:
+    """Pinned (non-candidate) keys are never chosen, whatever the policy's preference."""
+    rng = random.Random(7)
+    pol = make_policy(name)
+    resident: list[tuple[int, int]] = []
+    for step in range(3000):
+        key = (rng.randrange(3), rng.randrange(20))
+        if key in resident:
+            pol.on_access(key)
+        else:
+            if len(resident) >= 16:
+                allowed = set(rng.sample(resident, rng.randint(1, 4)))
+                out = pol.victim(allowed if step % 2 else list(allowed))
+                assert out in allowed
+                resident.remove(out)
+                pol.on_remove(out)
+            resident.append(key)
+            touch(pol, key)
+
+
+# ----------------------------------------------------------------- replay and Belady
+
+
+def test_belady_textbook_example() -> None:
+    # Silberschatz et al.: this reference string with 3 frames has 9 faults under OPT,
+    # 12 under LRU.
+    refs = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
+    assert replay_belady(single(refs), 3).misses == 9
+    assert replay(single(refs), 3, "lru").misses == 12
+
+
+def test_belady_respects_the_current_request() -> None:
+    # Ring 3. Request {1,2}, then {3}: evict 2 (used last), not 1 (next needed at once).
+    # Then {1, 4}: 1 hits; 4 must not evict 1 (pinned) even though 1 is never used again.
+    stream = [(0, [1, 2]), (0, [3]), (0, [1, 4]), (0, [3]), (0, [2])]
+    got = replay_belady(stream, 3)
+    assert (got.hits, got.misses) == (2, 5)
+
+
+def test_ring_too_small_is_refused() -> None:
+    with pytest.raises(RingTooSmall):
+        replay([(0, [1, 2, 3])], 2, "lru")
+    with pytest.raises(RingTooSmall):
+        replay_belady([(0, [1, 2, 3])], 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_belady_beats_every_policy(seed: int) -> None:
+    stream = KeyStream.from_requests(random_stream(seed))
+    for slots in (4, 9, 20):
+        best = replay_belady(stream, slots)
+        for name in POLICIES:
+            assert best.misses <= replay(stream, slots, name).misses, (name, slots)
+        # less foresight can only cost more; foresight beyond the stream changes nothing
+        assert replay_belady(stream, slots, horizon=10).misses >= best.misses
+        assert replay_belady(stream, slots, horizon=10**6).misses == best.misses
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_replay_matches_the_real_scheduler(name: str) -> None:
+    stream = KeyStream.from_requests(random_stream(11, n=250))
+    for slots in (4, 10, 24):
+        sim = replay(stream, slots, name, record_bytes=3)
+        real = replay_scheduler(stream, slots, name, record_bytes=3)
+        assert (sim.hits, sim.misses) == (real.hits, real.misses), (name, slots)
+        assert sim.bytes == 3 * sim.misses
+
+
+def test_result_counts_and_dict() -> None:
+    got = replay([(0, [1, 2]), (1, [1]), (0, [2, 2])], 8, "lru", record_bytes=10)
+    assert (got.requests, got.hits, got.misses, got.bytes) == (4, 1, 3, 30)
+    assert got.to_dict()["hit_rate"] == 0.25
+
+
+def test_key_stream_next_use() -> None:
+    s = KeyStream.from_requests([(0, [1, 2]), (0, [3]), (0, [2, 1])])
+    assert s.next_use.tolist() == [2, 2, 3, 3, 3]
+    assert (s.working_set, s.widest, s.num_requests) == (3, 2, 5)
+
+
+# ----------------------------------------------------------------- bench and plots
+
+
+def test_bench_policy_report() -> None:
+    from smoe.telemetry.traces import preset_trace
+
+    arch = preset_trace("qwen3-30b-like", 120, layers=4, seed=3)
+    report = bench_policy(arch, (0.25, 0.5))
+    json.dumps(report)
+    assert report["trace"]["record_bytes"] == 2_654_208
+    for ring in report["rings"]:
+        for name, res in ring["policies"].items():
+            assert res["vs_belady"] >= 1.0, name
+            assert res["bytes"] == res["misses"] * 2_654_208
+    assert "x Belady" in format_table(report)
+
+
+def test_plots(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from smoe.bench.plots import plot_hit_rates, plot_time_breakdown
+
+    report = bench_policy(random_stream(1), (0.5, 0.9), ("lru", "arc"))
+    assert plot_hit_rates(report, tmp_path / "h.png").stat().st_size > 0
+    rows = [
+        {"budget": "8 GiB", "compute_s": 0.05, "io_wait_s": 0.2, "other_s": 0.01},
+        {"budget": "16 GiB", "compute_s": 0.05, "io_wait_s": 0.05, "other_s": 0.01},
+    ]
+    assert plot_time_breakdown(rows, tmp_path / "t.png").stat().st_size > 0
+
+
+def test_plots_name_the_extra_when_matplotlib_is_missing(monkeypatch, tmp_path) -> None:
+    import builtins
+
+    from smoe.bench import plots
+
+    real_import = builtins.__import__
+
+    def no_mpl(name: str, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(SmoeError, match=r'pip install "smoe\[plot\]"'):
+        plots.plot_time_breakdown([{"budget": 1}], tmp_path / "x.png")
+
+
+def test_unused_policy_classes_are_constructible() -> None:
+    for cls in (LRU, LRUPerLayer, LFU, SLRU, ARC, PinnedHot):
+        assert cls().name in POLICIES
