@@ -628,6 +628,15 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up temp output on kill too
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "policy"]:  # its own option parser (smoe.bench.policy)
+        from smoe.bench.policy import main as policy_main
+
+        try:
+            return policy_main(argv[2:])
+        except SmoeError as e:
+            print(f"smoe bench policy: error: {e}", file=sys.stderr)
+            return e.exit_code
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
