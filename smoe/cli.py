@@ -204,15 +204,7 @@ async def _generate(args: argparse.Namespace) -> int:
     text: list[str] = []
     stats: dict[str, Any] = {}
     finish = None
-    async with Engine.open(
-        args.vault,
-        memory=args.memory,
-        slots=args.slots,
-        workers=args.workers,
-        dtype=args.dtype,
-        prefill_chunk=args.prefill_chunk,
-        policy=args.policy,
-    ) as engine:
+    async with Engine.open(args.vault, **_engine_options(args)) as engine:
         if args.routing_archive:
             engine.start_recording(args.archive_depth)
         async for event in engine.generate(
@@ -272,15 +264,7 @@ async def _chat(args: argparse.Namespace) -> int:
     vault = args.vault
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
-    async with Engine.open(
-        vault,
-        memory=args.memory,
-        slots=args.slots,
-        workers=args.workers,
-        dtype=args.dtype,
-        prefill_chunk=args.prefill_chunk,
-        policy=args.policy,
-    ) as engine:
+    async with Engine.open(vault, **_engine_options(args)) as engine:
         print(f"loaded {vault} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         app = ChatApp(
             engine,
@@ -295,6 +279,18 @@ async def _chat(args: argparse.Namespace) -> int:
         )
         await app.run()
     return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.open keyword arguments from the options _memory_option adds."""
+    return {
+        "memory": args.memory,
+        "slots": args.slots,
+        "workers": args.workers,
+        "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk,
+        "policy": args.policy,
+    }
 
 
 def _memory_option(p: argparse.ArgumentParser) -> None:
