@@ -290,6 +290,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
         "policy": args.policy,
+        "spec": args.spec,
     }
 
 
@@ -314,6 +315,13 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "--policy",
         default="lfu",
         help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer",
+    )
+    p.add_argument(
+        "--spec",
+        type=int,
+        default=0,
+        help="gate-echo bets: prefetch gate ranks k..k+N-1 for the next token "
+        "(default 0: measured net negative so far, docs/speculation.md)",
     )
 
 
@@ -358,6 +366,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 workers=args.workers,
                 seed=args.seed,
+                spec=args.spec,
             )
         )
     else:
@@ -583,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
         bd.add_argument("--max-tokens", type=int, default=48)
         bd.add_argument("--workers", type=int, default=4)
         bd.add_argument("--seed", type=int, default=0)
+        bd.add_argument("--spec", type=int, default=0, help="gate-echo bets (decode only)")
         bd.add_argument(
             "--plot",
             type=Path,

@@ -75,6 +75,7 @@ class EngineOptions:
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
     policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md
+    spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     direct_io: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -85,7 +86,7 @@ class Engine:
     def __init__(self, vault: Vault | str | Path, options: EngineOptions) -> None:
         self.vault = vault if isinstance(vault, Vault) else Vault.open(vault)
         self.options = options
-        self.tracer = Tracer()
+        self.tracer = Tracer(spec=options.spec)
         self._lock = asyncio.Lock()  # one request at a time on the compute thread
         self._opened = False
 

@@ -198,3 +198,38 @@ async def test_partly_resident_layers_compute_the_same(vault):
             t for t in engine.tracer.calls if t.waves == 1 and 0 < t.resident < t.unique_experts
         ]
         assert mixed, "no layer was partly resident: the overlapped path was not exercised"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("slots", [4, 12])
+async def test_gate_echo_bets_change_no_bit(vault, slots):
+    """With --spec, speculative reads of the gate's next ranks run beside demand; tokens and
+    per-step decode logits stay bit-identical."""
+    import mlx.core as mx
+
+    from smoe.compute.runner import SamplingParams
+    from smoe.sched.types import Priority
+
+    async def decode_logits(engine):
+        seq = await engine.compute.run(engine.runner.start, list(range(10, 40)), SamplingParams())
+        steps = []
+        for _ in range(12):
+
+            def one():
+                engine.runner._phase(1)
+                y = engine.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+                out = np.array(y[0, -1])
+                seq.tokens.append(int(out.argmax()))
+                return out
+
+            steps.append(await engine.compute.run(one))
+        return steps
+
+    async with Engine.open(vault.path, slots=slots) as plain:
+        expected = await decode_logits(plain)
+    async with Engine.open(vault.path, slots=slots, spec=4) as betting:
+        got = await decode_logits(betting)
+        spec_reads = betting.scheduler.stats.by_priority[Priority.SPECULATIVE].reads
+        betting.scheduler.check_invariants()
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert spec_reads > 0  # the bets really ran

@@ -83,11 +83,19 @@ def test_bench_decode_and_prefill_report(vault, run_cli):
 
 
 def test_policy_locality_and_trace_commands(tmp_path, run_cli):
-    code, out, err = run_cli("bench", "trace", tmp_path / "t.npz", "--tokens", "60",
-                             "--layers", "4")
+    code, out, err = run_cli(
+        "bench", "trace", tmp_path / "t.npz", "--tokens", "60", "--layers", "4"
+    )
     assert code == 0, err
-    code, out, err = run_cli("bench", "policy", str(tmp_path / "t.npz"), "--policies", "lru,lfu",
-                             "--json", str(tmp_path / "p.json"))
+    code, out, err = run_cli(
+        "bench",
+        "policy",
+        str(tmp_path / "t.npz"),
+        "--policies",
+        "lru,lfu",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
     assert code == 0, err
     report = json.loads((tmp_path / "p.json").read_text())
     for ring in report["rings"]:

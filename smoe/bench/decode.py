@@ -24,9 +24,15 @@ from smoe.vault.format import Vault
 
 
 async def _run(
-    vault: Vault, slots: int, prompt: list[int], max_tokens: int, workers: int, warm: bool = False
+    vault: Vault,
+    slots: int,
+    prompt: list[int],
+    max_tokens: int,
+    workers: int,
+    warm: bool = False,
+    spec: int = 0,
 ) -> Any:
-    async with Engine.open(vault.path, slots=slots, workers=workers) as engine:
+    async with Engine.open(vault.path, slots=slots, workers=workers, spec=spec) as engine:
         if warm:  # fill the ring first: then the measured pass does no I/O
             async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 pass
@@ -51,6 +57,7 @@ async def bench_decode(
     max_tokens: int = 48,
     workers: int = 4,
     seed: int = 0,
+    spec: int = 0,
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
@@ -62,7 +69,7 @@ async def bench_decode(
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, huge, direct = await _run(vault, slots, prompt, max_tokens, workers)
+        stats, huge, direct = await _run(vault, slots, prompt, max_tokens, workers, spec=spec)
         per_token = 1.0 / stats.decode_tok_s
         io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
         bound = max(io_s, compute_s)
@@ -95,6 +102,7 @@ async def bench_decode(
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "workers": workers,
+        "spec": spec,
         "raw_disk_GBps": round(bandwidth, 3),
         "compute_per_token_s": round(compute_s, 5),
         "runs": rows,

@@ -48,6 +48,14 @@ class SlotSource(Protocol):
         """Slots one request may pin at most (the ring size)."""
         ...
 
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Queue speculative reads (never waits; demand stays first)."""
+        ...
+
+    def cancel_speculative(self) -> None:
+        """Drop queued speculative reads that have not started."""
+        ...
+
 
 @dataclass
 class LayerTrace:
@@ -68,6 +76,7 @@ class Tracer:
     phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
     first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
     gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
+    spec: int = 0  # gate-echo bets per layer and decode step (0: off)
 
 
 class RouterTap(nn.Module):
@@ -81,7 +90,7 @@ class RouterTap(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         out = self.router(x)
-        if self._tracer.recorder is not None:
+        if self._tracer.recorder is not None or self._tracer.spec:
             self._tracer.gates[self._layer] = out
         return out
 
@@ -128,17 +137,22 @@ class StreamingExperts(nn.Module):
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
         idx = np.array(indices)  # evaluates the routing from the true hidden state
         tracer = self._tracer
+        bets = None
         if tracer is not None:
             flat = idx.reshape(-1, idx.shape[-1])
             if tracer.on_routing is not None:
                 tracer.on_routing(self.layer, flat)
+            gates = tracer.gates.pop(self.layer, None)
+            g = None
+            if gates is not None:
+                g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
             if tracer.recorder is not None:
                 if self.layer == tracer.first_layer:
                     tracer.recorder.begin(flat.shape[0], tracer.phase)
-                gates = tracer.gates.pop(self.layer, None)
-                if gates is not None:
-                    g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
+                if g is not None:
                     tracer.recorder.record(self.layer, gate_ranking(g, flat, tracer.recorder.depth))
+            if tracer.spec and tracer.phase == 1 and g is not None and flat.shape[0] == 1:
+                bets = (g, flat)  # placed after this layer's own demand has been served
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
         resident = 0
@@ -147,6 +161,8 @@ class StreamingExperts(nn.Module):
             waves = 1
         else:
             y, waves = self._run_in_waves(x, idx, experts, capacity)
+        if bets is not None:
+            self._bet_on_next_token(*bets, tracer.spec)
         if self._tracer is not None:
             self._tracer.calls.append(
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
@@ -159,6 +175,16 @@ class StreamingExperts(nn.Module):
             return self._compute(x, idx, experts, slots)
         finally:
             self._source.release(slots)
+
+    def _bet_on_next_token(self, gates: np.ndarray, used: np.ndarray, n: int) -> None:
+        """Gate echo: queue this token's gate ranks k..k+n-1 at this layer as speculative
+        reads for the next token (adjacent tokens share experts). The first MoE layer of a
+        step first drops the previous token's bets that have not started."""
+        if self.layer == self._tracer.first_layer:
+            self._source.cancel_speculative()
+        k = used.shape[-1]
+        ranking = gate_ranking(gates, used, k + n)[0, k:]
+        self._source.prefetch(self.layer, ranking.tolist())
 
     def _run_overlapped(
         self, x: mx.array, idx: np.ndarray, experts: list[int]

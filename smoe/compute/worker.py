@@ -87,6 +87,12 @@ class LoopSlots:
     def capacity(self) -> int:
         return self.scheduler.num_slots
 
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.loop.call_soon_threadsafe(self.scheduler.prefetch, layer, experts)
+
+    def cancel_speculative(self) -> None:
+        self.loop.call_soon_threadsafe(self.scheduler.cancel_speculative)
+
 
 class ComputeThread:
     """One thread, one job at a time. ``run`` awaits a job without blocking the loop.
