@@ -291,6 +291,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_chunk": args.prefill_chunk,
         "policy": args.policy,
         "spec": args.spec,
+        "lookahead": args.lookahead,
     }
 
 
@@ -315,6 +316,13 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "--policy",
         default="lfu",
         help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer",
+    )
+    p.add_argument(
+        "--no-lookahead",
+        dest="lookahead",
+        action="store_false",
+        help="do not prefetch the next layer's experts predicted by its router on this "
+        "layer's input (on by default: docs/speculation.md)",
     )
     p.add_argument(
         "--spec",

@@ -27,6 +27,8 @@ from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import Ring
+from smoe.learning import Popularity
+from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
@@ -76,6 +78,7 @@ class EngineOptions:
     max_context: int | None = None  # None: the model's max_position_embeddings
     policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
+    lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -86,7 +89,7 @@ class Engine:
     def __init__(self, vault: Vault | str | Path, options: EngineOptions) -> None:
         self.vault = vault if isinstance(vault, Vault) else Vault.open(vault)
         self.options = options
-        self.tracer = Tracer(spec=options.spec)
+        self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
         self._lock = asyncio.Lock()  # one request at a time on the compute thread
         self._opened = False
 
@@ -124,13 +127,18 @@ class Engine:
         else:
             self.ring = Ring(m.record, m.num_records)
         self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
+        self.popularity = Popularity(self.vault)
+        self.tracer.popularity = self.popularity
+        policy: Any = o.policy
+        if o.policy == "hot":  # pin the historically hottest half of the ring
+            policy = PinnedHot.from_counts(self.popularity.as_mapping(), self.ring.num_slots // 2)
         self.scheduler = ExpertScheduler(
             self.ring.num_slots,
             self.reader,
             record_of=lambda k: m.record_index(*k),
             record_bytes=m.record.stride,
             workers=o.workers,
-            policy=o.policy,
+            policy=policy,
         )
         self.slots = LoopSlots(self.scheduler, asyncio.get_running_loop())
         self.compute = ComputeThread()
@@ -179,7 +187,33 @@ class Engine:
             await self.scheduler.close()
         if hasattr(self, "reader"):
             self.reader.close()
+        if hasattr(self, "popularity"):
+            self.popularity.save()
         self._opened = False
+
+    # ---------------------------------------------------------------- learning cache
+    def prewarm(self) -> int:
+        """Queue speculative reads of the historically hottest experts into EMPTY slots
+        (never evicting anything); the next request drops those not yet started. Call when
+        idle (the REPL does while waiting for input). Returns how many were queued."""
+        if not self._opened:
+            return 0
+        free = self.scheduler.num_slots - self.scheduler.fill()
+        if free <= 0:
+            return 0
+        wanted = [
+            k
+            for k in self.popularity.hottest(self.scheduler.num_slots)
+            if self.scheduler.slot_of(k) is None
+        ][:free]
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in wanted:
+            by_layer.setdefault(layer, []).append(expert)
+        return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
+
+    def _demand_arrives(self) -> None:
+        """Pre-warm and stale bets give way at once to a real request."""
+        self.scheduler.cancel_speculative()
 
     # ---------------------------------------------------------------- routing archive
     def start_recording(self, depth: int = 16) -> None:
@@ -234,6 +268,7 @@ class Engine:
         than which experts the ring happens to hold."""
         ids = self._check_tokens(token_ids)
         async with self._lock:
+            self._demand_arrives()
             return await self.compute.run(self.runner.logits, ids)
 
     async def generate(
@@ -288,6 +323,7 @@ class Engine:
     ) -> AsyncIterator[Event]:
         """Run ``prepare`` (compute thread: returns the sequence ready to sample and how many
         tokens it prefilled), then decode up to ``max_tokens``. Caller holds the lock."""
+        self._demand_arrives()
         stats = GenerationStats(prompt_tokens=prompt_len)
         sched = self.scheduler.stats
         bytes0, hits0, misses0 = sched.bytes_read(), sched.hits, sched.misses

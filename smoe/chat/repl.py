@@ -93,6 +93,7 @@ class ChatApp:
     async def run(self) -> None:
         self.say("S-MoE chat. /help for commands, Ctrl-D to quit.")
         while True:
+            self.engine.prewarm()  # idle: bring in the hot experts while the person types
             try:
                 text = await self.session.prompt_async("> ")
             except KeyboardInterrupt:

@@ -75,6 +75,7 @@ def _tap_router(block: Any, layer: int, num_experts: int, tracer: Tracer) -> Non
             and not isinstance(child, StreamingExperts)
         ):
             setattr(block, name, RouterTap(child, layer, tracer))
+            tracer.routers[layer] = child
             return
 
 
@@ -122,6 +123,8 @@ def build_model(
         for spec in vault.manifest.layers:
             parent, _ = _resolve(model, spec.module)
             _tap_router(parent, spec.layer, num_experts, tracer)
-        if vault.manifest.layers:
-            tracer.first_layer = vault.manifest.layers[0].layer
+        layers = [s.layer for s in vault.manifest.layers]
+        if layers:
+            tracer.first_layer = layers[0]
+        tracer.next_layer = dict(zip(layers, layers[1:], strict=False))
     return model

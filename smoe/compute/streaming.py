@@ -77,6 +77,17 @@ class Tracer:
     first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
     gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
     spec: int = 0  # gate-echo bets per layer and decode step (0: off)
+    popularity: Any = None  # a smoe.learning.Popularity counting demand
+    lookahead: bool = False  # predict layer n+1's experts from layer n's input (decode)
+    routers: dict[int, Any] = field(default_factory=dict)  # layer -> its router module
+    next_layer: dict[int, int] = field(default_factory=dict)  # MoE layer -> next MoE layer
+    predicted: dict[int, set[int]] = field(default_factory=dict)
+    lookahead_hits: int = 0
+    lookahead_total: int = 0
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.lookahead_hits / self.lookahead_total if self.lookahead_total else 0.0
 
 
 class RouterTap(nn.Module):
@@ -90,7 +101,8 @@ class RouterTap(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         out = self.router(x)
-        if self._tracer.recorder is not None or self._tracer.spec:
+        # Some routers (DeepSeek's MoEGate) return (indices, scores), not logits.
+        if isinstance(out, mx.array) and (self._tracer.recorder is not None or self._tracer.spec):
             self._tracer.gates[self._layer] = out
         return out
 
@@ -140,6 +152,8 @@ class StreamingExperts(nn.Module):
         bets = None
         if tracer is not None:
             flat = idx.reshape(-1, idx.shape[-1])
+            if tracer.popularity is not None:
+                tracer.popularity.add(self.layer, flat)
             if tracer.on_routing is not None:
                 tracer.on_routing(self.layer, flat)
             gates = tracer.gates.pop(self.layer, None)
@@ -163,6 +177,8 @@ class StreamingExperts(nn.Module):
             y, waves = self._run_in_waves(x, idx, experts, capacity)
         if bets is not None:
             self._bet_on_next_token(*bets, tracer.spec)
+        if tracer is not None and tracer.lookahead and tracer.phase == 1:
+            self._look_ahead(x, idx)
         if self._tracer is not None:
             self._tracer.calls.append(
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
@@ -175,6 +191,28 @@ class StreamingExperts(nn.Module):
             return self._compute(x, idx, experts, slots)
         finally:
             self._source.release(slots)
+
+    def _look_ahead(self, x: mx.array, idx: np.ndarray) -> None:
+        """Score this token's experts against the prediction made one layer earlier, then
+        run the next MoE layer's router on this layer's input and queue its top-k as
+        speculative reads (an approximation: the next layer's true input is not known)."""
+        tracer = self._tracer
+        k = idx.shape[-1]
+        guess = tracer.predicted.pop(self.layer, None)
+        if guess is not None:
+            tracer.lookahead_hits += len(guess & set(idx.reshape(-1).tolist()))
+            tracer.lookahead_total += idx.size
+        nxt = tracer.next_layer.get(self.layer)
+        if nxt is None or nxt not in tracer.routers:
+            return
+        out = tracer.routers[nxt](x)
+        if isinstance(out, tuple):  # a router that selects itself: (indices, scores)
+            top = np.array(out[0]).reshape(-1)[:k].tolist()
+        else:
+            logits = np.array(out.astype(mx.float32)).reshape(-1)
+            top = np.argpartition(-logits, k)[:k].tolist()
+        tracer.predicted[nxt] = set(top)
+        self._source.prefetch(nxt, top)
 
     def _bet_on_next_token(self, gates: np.ndarray, used: np.ndarray, n: int) -> None:
         """Gate echo: queue this token's gate ranks k..k+n-1 at this layer as speculative
