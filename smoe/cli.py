@@ -375,6 +375,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 seed=args.seed,
                 spec=args.spec,
+                lookahead=args.lookahead,
             )
         )
     else:
@@ -601,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
         bd.add_argument("--workers", type=int, default=4)
         bd.add_argument("--seed", type=int, default=0)
         bd.add_argument("--spec", type=int, default=0, help="gate-echo bets (decode only)")
+        bd.add_argument("--no-lookahead", dest="lookahead", action="store_false")
         bd.add_argument(
             "--plot",
             type=Path,

@@ -31,8 +31,11 @@ async def _run(
     workers: int,
     warm: bool = False,
     spec: int = 0,
+    lookahead: bool = True,
 ) -> Any:
-    async with Engine.open(vault.path, slots=slots, workers=workers, spec=spec) as engine:
+    async with Engine.open(
+        vault.path, slots=slots, workers=workers, spec=spec, lookahead=lookahead
+    ) as engine:
         if warm:  # fill the ring first: then the measured pass does no I/O
             async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 pass
@@ -58,6 +61,7 @@ async def bench_decode(
     workers: int = 4,
     seed: int = 0,
     spec: int = 0,
+    lookahead: bool = True,
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
@@ -69,7 +73,9 @@ async def bench_decode(
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, huge, direct = await _run(vault, slots, prompt, max_tokens, workers, spec=spec)
+        stats, huge, direct = await _run(
+            vault, slots, prompt, max_tokens, workers, spec=spec, lookahead=lookahead
+        )
         per_token = 1.0 / stats.decode_tok_s
         io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
         bound = max(io_s, compute_s)
@@ -103,6 +109,7 @@ async def bench_decode(
         "max_tokens": max_tokens,
         "workers": workers,
         "spec": spec,
+        "lookahead": lookahead,
         "raw_disk_GBps": round(bandwidth, 3),
         "compute_per_token_s": round(compute_s, 5),
         "runs": rows,
