@@ -299,7 +299,8 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory",
         default=None,
-        help="expert ring budget, e.g. 6GB (default: room for every expert)",
+        help="expert ring budget, e.g. 6GB (default: every expert if they fit in half the "
+        "available memory beside the backbone, else as many as fit)",
     )
     p.add_argument(
         "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"

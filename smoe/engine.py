@@ -36,6 +36,18 @@ if TYPE_CHECKING:
     from smoe.conversation import Conversation
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux: MemAvailable), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -70,7 +82,8 @@ class Event:
 
 @dataclass
 class EngineOptions:
-    memory: int | str | None = None  # ring budget, e.g. "6GB"; None with slots=None: all experts
+    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit
+    # in half the available memory beside the backbone, else what does
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
@@ -125,7 +138,7 @@ class Engine:
                 reason=f"one layer's top-{top_k}",
             )
         else:
-            self.ring = Ring(m.record, m.num_records)
+            self.ring = Ring(m.record, max(top_k, min(m.num_records, self._auto_slots())))
         self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
         self.popularity = Popularity(self.vault)
         self.tracer.popularity = self.popularity
@@ -157,6 +170,16 @@ class Engine:
         self.max_context = min(o.max_context or limit, limit)
         self._opened = True
         return self
+
+    def _auto_slots(self) -> int:
+        """Without a budget: every expert if that fits in half of the memory available
+        beside the backbone, else as many as do (never an out-of-memory by default)."""
+        m = self.vault.manifest
+        available = available_memory()
+        if available is None:
+            return m.num_records
+        spare = available // 2 - self.vault.backbone_path.stat().st_size
+        return max(0, spare) // m.record.stride
 
     def _build(self) -> Runner:
         from smoe.compute.model import build_model

@@ -234,3 +234,21 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
         betting.scheduler.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(expected, got, strict=True))
     assert spec_reads > 0  # the bets really ran
+
+
+@pytest.mark.asyncio
+async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch):
+    import smoe.engine as engine_module
+
+    m = vault.manifest
+    monkeypatch.setattr(engine_module, "available_memory", lambda: None)
+    async with Engine.open(vault.path) as engine:
+        assert engine.ring.num_slots == m.num_records  # unknown: every expert
+    backbone = vault.backbone_path.stat().st_size
+    room = 2 * (backbone + 5 * m.record.stride)  # half of it holds the backbone + 5 records
+    monkeypatch.setattr(engine_module, "available_memory", lambda: room)
+    async with Engine.open(vault.path) as engine:
+        assert engine.ring.num_slots == 5
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
+    async with Engine.open(vault.path) as engine:  # never below one token's top-k
+        assert engine.ring.num_slots == m.topology["experts_per_token"]
