@@ -225,6 +225,7 @@ async def _generate(args: argparse.Namespace) -> int:
                     print(event.text, end="", flush=True)
             if event.stats is not None:
                 stats, finish = event.stats.to_json(), event.finish_reason
+        stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
         stats["ring_slots"] = engine.ring.num_slots
         stats["ring_bytes"] = engine.ring.nbytes
         if args.routing_archive:

@@ -191,6 +191,14 @@ class ChatApp:
                 f"read {format_bytes(s.bytes_read)}; I/O wait {100 * s.decode_io_wait_share:.0f}% "
                 "of decode"
             )
+        for prio, c in st.by_priority.items():
+            if c.reads:
+                q, r = c.queue_wait.to_json(), c.read_latency.to_json()
+                lines.append(
+                    f"{prio.name.lower()} reads: {c.reads}, queue wait p50 {q['p50_ms']:.2f} ms "
+                    f"p99 {q['p99_ms']:.2f} ms, read p50 {r['p50_ms']:.2f} ms "
+                    f"p99 {r['p99_ms']:.2f} ms"
+                )
         lines.append(
             f"conversation: {len(self.conv.messages)} messages, "
             f"{len(self.conv.tokens)} tokens of {self.engine.max_context}"
