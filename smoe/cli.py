@@ -282,6 +282,30 @@ async def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+
+    return run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from smoe.engine import Engine
+    from smoe.serve.app import ServerOptions, serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    async with Engine.open(args.vault, **_engine_options(args)) as engine:
+        options = ServerOptions(
+            api_key=args.api_key, max_queue=args.max_queue, model_name=args.vault.name
+        )
+
+        def ready(port: int) -> None:
+            print(f"serving {args.vault} on http://{args.host}:{port}/v1", file=sys.stderr)
+
+        await serve(engine, args.host, args.port, options, ready=ready)
+    return 0
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.open keyword arguments from the options _memory_option adds."""
     return {
@@ -557,6 +581,20 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--seed", type=int, default=None)
     _memory_option(ch)
     ch.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    sv.add_argument("vault", type=Path)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait for the engine; more get 429",
+    )
+    _memory_option(sv)
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
