@@ -79,9 +79,8 @@ async def test_api_key_and_queue_limits(vault):
     async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
         with pytest.raises(openai.AuthenticationError):
             await srv.client("wrong").models.list()
-        async with aiohttp.ClientSession() as http:
-            async with http.get(srv.base + "/health") as r:  # health needs no key
-                assert r.status == 200
+        async with aiohttp.ClientSession() as http, http.get(srv.base + "/health") as r:
+            assert r.status == 200  # health needs no key
         await engine._lock.acquire()  # the engine is busy with another request
         try:
             with pytest.raises(openai.RateLimitError):
@@ -152,9 +151,11 @@ async def test_follow_up_request_reuses_the_prefix(vault):
 async def test_disconnect_mid_stream_frees_the_engine(vault):
     async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
         body = {"messages": MESSAGES, "max_tokens": 4000, "stream": True}  # ~30 s of work
-        async with aiohttp.ClientSession() as http:
-            async with http.post(srv.base + "/v1/chat/completions", json=body) as r:
-                await r.content.readline()  # the first event arrived: generation runs
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(srv.base + "/v1/chat/completions", json=body) as r,
+        ):
+            await r.content.readline()  # the first event arrived: generation runs
         # the connection is closed: the handler is cancelled and releases the engine
         await asyncio.wait_for(engine._lock.acquire(), timeout=5)
         engine._lock.release()

@@ -132,11 +132,11 @@ class Server:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.options.api_key
-        if key and request.path != "/health":
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                raise ApiError(
-                    401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
-                )
+        authorized = request.headers.get("Authorization", "") == f"Bearer {key}"
+        if key and request.path != "/health" and not authorized:
+            raise ApiError(
+                401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
+            )
         return await handler(request)
 
     # ------------------------------------------------------------- small endpoints
