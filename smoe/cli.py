@@ -294,9 +294,14 @@ async def _serve(args: argparse.Namespace) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
-    async with Engine.open(args.vault, **_engine_options(args)) as engine:
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
+    async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
         options = ServerOptions(
-            api_key=args.api_key, max_queue=args.max_queue, model_name=args.vault.name
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            model_name=args.vault.name,
+            prewarm_when_idle=args.prewarm,
         )
 
         def ready(port: int) -> None:
@@ -591,7 +596,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=int,
         default=16,
-        help="requests that may wait for the engine; more get 429",
+        help="requests that may wait for a place in the batch; more get 429",
+    )
+    sv.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded together, one token each per step (1: one at a time)",
+    )
+    sv.add_argument(
+        "--no-prewarm",
+        dest="prewarm",
+        action="store_false",
+        help="do not read the historically hottest experts into empty slots when idle",
     )
     _memory_option(sv)
     sv.set_defaults(func=cmd_serve)

@@ -11,6 +11,7 @@ and prefills only the rest. So a follow-up turn costs its new tokens, not the hi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -40,7 +41,8 @@ def vault_fingerprint(engine: Engine) -> str:
 
 
 class Conversation:
-    """A chat on one engine. Turns run one at a time (the engine's lock).
+    """A chat on one engine. Its turns run one at a time; turns of different
+    conversations on one engine are decoded together (the engine's batcher).
 
     Cancelling a reply (breaking out of ``send`` or cancelling its task) keeps what was
     generated: the partial reply stays in ``messages`` and in the stream, and the next turn
@@ -52,6 +54,7 @@ class Conversation:
         self.system = system
         self.messages: list[dict[str, str]] = []
         self._seq: Sequence_ | None = None
+        self._busy = asyncio.Lock()  # one turn (or save, fork) of this conversation at a time
         self.last_stats: GenerationStats | None = None
         self.reset(system)
 
@@ -77,12 +80,13 @@ class Conversation:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
 
-    def _prepare(self, prompt: list[int], params: SamplingParams) -> tuple[Sequence_, int]:
-        """Compute thread: reuse the cached prefix, prefill the rest."""
+    def _prepare(self, prompt: list[int], params: SamplingParams) -> Sequence_:
+        """Compute thread: point the cached stream at ``prompt`` (reusing the common
+        prefix); the batcher prefills the rest."""
         if self._seq is None:
             self._seq = Sequence_(cache=self.engine.runner.new_cache())
-        prefilled = self.engine.runner.extend(self._seq, prompt, params)
-        return self._seq, prefilled
+        self.engine.runner.prepare(self._seq, prompt, params)
+        return self._seq
 
     # -------------------------------------------------------------- turns
     async def send(
@@ -111,7 +115,7 @@ class Conversation:
         answer = {"role": "assistant", "content": ""}
         self.messages = [*messages, answer]
         engine = self.engine
-        async with engine._lock:
+        async with self._busy:
             stream = engine._stream(
                 lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
             )
@@ -129,10 +133,12 @@ class Conversation:
         self._check_context(prompt, 1)
 
         def run() -> np.ndarray:
-            seq, _ = self._prepare(prompt, SamplingParams())
+            seq = self._prepare(prompt, SamplingParams())
+            while self.engine.runner.prefill_chunk(seq):
+                pass
             return self.engine.runner.next_logits(seq)
 
-        async with self.engine._lock:
+        async with self._busy, self.engine._lock:
             return await self.engine.compute.run(run)
 
     def _check_context(self, prompt: list[int], max_tokens: int) -> None:
@@ -146,20 +152,26 @@ class Conversation:
 
     # -------------------------------------------------------------- copies and files
     async def fork(self) -> Conversation:
-        """An independent copy: same history and cache; turns on either don't affect the other."""
-        other = Conversation(self.engine, self.system)
-        other.messages = [dict(m) for m in self.messages]
-        if self._seq is not None:
-            seq = self._seq
-            async with self.engine._lock:
-                other._seq = await self.engine.compute.run(self.engine.runner.copy, seq)
-        return other
+        """An independent copy: same history and cache; turns on either don't affect the other.
+        Waits for a turn of this conversation in progress to end."""
+        async with self._busy:
+            other = Conversation(self.engine, self.system)
+            other.messages = [dict(m) for m in self.messages]
+            if self._seq is not None:
+                seq = self._seq
+                async with self.engine._lock:
+                    other._seq = await self.engine.compute.run(self.engine.runner.copy, seq)
+            return other
 
     async def save(self, path: str | Path) -> Path:
-        """Write history, token stream and KV cache to ``path`` (safetensors), atomically."""
+        """Write history, token stream and KV cache to ``path`` (safetensors), atomically.
+        Waits for a turn of this conversation in progress to end."""
+        async with self._busy:
+            return await self._save(Path(path))
+
+    async def _save(self, path: Path) -> Path:
         from mlx_lm.models.cache import save_prompt_cache
 
-        path = Path(path)
         if path.suffix != ".safetensors":
             path = path.with_name(path.name + ".safetensors")
         meta = {

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from smoe.compute.runner import Runner, SamplingParams
+from smoe.batcher import Batcher, Meter, Ticket
+from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
@@ -65,6 +66,7 @@ class GenerationStats:
     prefill_bytes: int = 0
     decode_bytes_per_token: float = 0.0
     decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
+    decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -93,6 +95,7 @@ class EngineOptions:
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
+    max_batch: int = 8  # generations decoded together (1: one at a time)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,7 +106,7 @@ class Engine:
         self.vault = vault if isinstance(vault, Vault) else Vault.open(vault)
         self.options = options
         self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
-        self._lock = asyncio.Lock()  # one request at a time on the compute thread
+        self._lock = asyncio.Lock()  # one job at a time on the compute thread
         self._opened = False
 
     @classmethod
@@ -123,6 +126,8 @@ class Engine:
         o = self.options
         if o.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
+        if o.max_batch < 1:
+            raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
         if o.slots is not None:
             if o.slots < top_k:
                 raise SmoeError(
@@ -165,6 +170,14 @@ class Engine:
         except BaseException:
             await self.aclose()
             raise
+        self.batcher = Batcher(
+            self.compute,
+            self.runner,
+            self._lock,
+            self._meter,
+            max_batch=o.max_batch,
+            on_demand=self._demand_arrives,
+        )
         config = self.vault.config()
         limit = config.get("max_position_embeddings") or 4096
         self.max_context = min(o.max_context or limit, limit)
@@ -183,9 +196,13 @@ class Engine:
 
     def _build(self) -> Runner:
         from smoe.compute.model import build_model
+        from smoe.compute.rowwise import install_rowwise_attention
 
         model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
-        return Runner(model, chunk=self.options.prefill_chunk, tracer=self.tracer)
+        batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
+        return Runner(
+            model, chunk=self.options.prefill_chunk, tracer=self.tracer, batchable=batchable
+        )
 
     def _load_tokenizer(self) -> Any:
         from mlx_lm.utils import load_tokenizer
@@ -204,6 +221,8 @@ class Engine:
 
     async def aclose(self) -> None:
         """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
+        if hasattr(self, "batcher"):
+            await self.batcher.close()
         if hasattr(self, "compute"):
             await self.compute.close()
         if hasattr(self, "scheduler"):
@@ -213,6 +232,9 @@ class Engine:
         if hasattr(self, "popularity"):
             self.popularity.save()
         self._opened = False
+        # The model and its caches go now, not whenever a user's reference to us does.
+        for name in ("runner", "batcher"):
+            self.__dict__.pop(name, None)
 
     # ---------------------------------------------------------------- learning cache
     def prewarm(self) -> int:
@@ -233,6 +255,16 @@ class Engine:
         for layer, expert in wanted:
             by_layer.setdefault(layer, []).append(expert)
         return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
+
+    def _meter(self) -> Meter:
+        sched = self.scheduler.stats
+        return Meter(
+            sched.bytes_read(),
+            sched.hits,
+            sched.misses,
+            self.slots.wait_seconds,
+            self.tracer.unique_experts,
+        )
 
     def _demand_arrives(self) -> None:
         """Pre-warm and stale bets give way at once to a real request."""
@@ -317,16 +349,14 @@ class Engine:
         ids = self._check_tokens(
             self.encode(prompt) if isinstance(prompt, str) else prompt, extra=max_tokens
         )
-        async with self._lock:
-            stream = self._stream(
-                lambda: self._fresh(ids, params), len(ids), max_tokens, stop_at_eos
-            )
-            async for event in stream:
-                yield event
+        stream = self._stream(lambda: self._fresh(ids, params), len(ids), max_tokens, stop_at_eos)
+        async for event in stream:
+            yield event
 
-    def _fresh(self, ids: list[int], params: SamplingParams) -> tuple[Any, int]:
-        seq = self.runner.start(ids, params)
-        return seq, len(ids) - 1
+    def _fresh(self, ids: list[int], params: SamplingParams) -> Sequence_:
+        seq = Sequence_(cache=self.runner.new_cache())
+        self.runner.prepare(seq, ids, params)
+        return seq
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see Conversation)."""
@@ -344,58 +374,71 @@ class Engine:
     async def _stream(
         self, prepare: Any, prompt_len: int, max_tokens: int, stop_at_eos: bool
     ) -> AsyncIterator[Event]:
-        """Run ``prepare`` (compute thread: returns the sequence ready to sample and how many
-        tokens it prefilled), then decode up to ``max_tokens``. Caller holds the lock."""
-        self._demand_arrives()
-        stats = GenerationStats(prompt_tokens=prompt_len)
-        sched = self.scheduler.stats
-        bytes0, hits0, misses0 = sched.bytes_read(), sched.hits, sched.misses
-        traces0 = len(self.tracer.calls)
+        """Submit a generation to the batcher and turn its tokens into events. ``prepare``
+        runs on the compute thread and returns the sequence pointed at its prompt
+        (``Runner.prepare``); the batcher prefills it and decodes it with the others.
+        Leaving the iteration early takes the request out of the batch."""
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
+        ticket = self.batcher.submit(Ticket(prepare, max_tokens, frozenset(eos)))
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
             detok.reset()
-
-        t0 = time.perf_counter()
-        seq, stats.prefilled_tokens = await self.compute.run(prepare)
-        prefill_traces = self.tracer.calls[traces0:]
-        stats.prefill_unique_experts = sum(t.unique_experts for t in prefill_traces)
-        wait0, t_decode, bytes_decode0 = self.slots.wait_seconds, None, 0
-        dhits0, dmisses0 = sched.hits, sched.misses
+        stats = GenerationStats(prompt_tokens=prompt_len)
+        t_first: float | None = None
         finish = "length"
-        for i in range(max_tokens):
-            token = await self.compute.run(self.runner.step, seq)
-            now = time.perf_counter()
-            if i == 0:
-                stats.ttft_s = now - t0
-                stats.prefill_tok_s = max(stats.prefilled_tokens, 1) / stats.ttft_s
-                stats.prefill_bytes = sched.bytes_read() - bytes0
-                t_decode, bytes_decode0, wait0 = now, sched.bytes_read(), self.slots.wait_seconds
-                dhits0, dmisses0 = sched.hits, sched.misses
-            stats.generated_tokens += 1
-            if token in eos:
-                finish = "stop"
-                break
-            text = ""
-            if detok is not None:
-                detok.add_token(token)
-                text = detok.last_segment
-            yield Event(token=token, text=text)
+        try:
+            while True:
+                kind, value = await ticket.events.get()
+                if kind == "error":
+                    raise value
+                if kind == "end":
+                    finish = value
+                    break
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                stats.generated_tokens += 1
+                if value in eos:
+                    continue  # the end follows
+                text = ""
+                if detok is not None:
+                    detok.add_token(value)
+                    text = detok.last_segment
+                yield Event(token=value, text=text)
+        finally:
+            ticket.cancel()
         if detok is not None:
             detok.finalize()
-            tail = detok.last_segment
-            if tail:
-                yield Event(text=tail)
+            if detok.last_segment:
+                yield Event(text=detok.last_segment)
+        yield Event(finish_reason=finish, stats=self._request_stats(ticket, stats, t_first))
+
+    @staticmethod
+    def _request_stats(
+        ticket: Ticket, stats: GenerationStats, t_first: float | None
+    ) -> GenerationStats:
+        """What one request took. Its I/O counts its own prefill chunks, and of each decode
+        step it shared with others its share of the bytes (hit rates: the step's)."""
         end = time.perf_counter()
+        pre, dec = ticket.prefill, ticket.decode
+        stats.prefilled_tokens = ticket.prompt_run
+        stats.prefill_unique_experts = pre.experts
+        stats.prefill_bytes = pre.bytes_read
+        if t_first is not None:
+            stats.ttft_s = t_first - ticket.submitted
+            stats.prefill_tok_s = max(stats.prefilled_tokens, 1) / max(stats.ttft_s, 1e-9)
         decoded = stats.generated_tokens - 1
-        if t_decode is not None and decoded > 0:
-            stats.decode_tok_s = decoded / (end - t_decode)
-            stats.decode_bytes_per_token = (sched.bytes_read() - bytes_decode0) / decoded
-            stats.decode_io_wait_share = (self.slots.wait_seconds - wait0) / (end - t_decode)
-            dh, dm = sched.hits - dhits0, sched.misses - dmisses0
-            stats.decode_hit_rate = dh / (dh + dm) if dh + dm else 0.0
-        stats.bytes_read = sched.bytes_read() - bytes0
-        stats.hits, stats.misses = sched.hits - hits0, sched.misses - misses0
+        if t_first is not None and decoded > 0:
+            span = max(end - t_first, 1e-9)
+            stats.decode_tok_s = decoded / span
+            stats.decode_bytes_per_token = dec.bytes_read / decoded
+            stats.decode_io_wait_share = min(1.0, dec.wait_s / span)
+            asked = dec.hits + dec.misses
+            stats.decode_hit_rate = dec.hits / asked if asked else 0.0
+        if ticket.batch_sizes:
+            stats.decode_batch_mean = sum(ticket.batch_sizes) / len(ticket.batch_sizes)
+        stats.bytes_read = pre.bytes_read + dec.bytes_read
+        stats.hits, stats.misses = pre.hits + dec.hits, pre.misses + dec.misses
         asked = stats.hits + stats.misses
         stats.hit_rate = stats.hits / asked if asked else 0.0
-        yield Event(finish_reason=finish, stats=stats)
+        return stats

@@ -74,21 +74,33 @@ async def test_openai_client_plain_and_streaming(vault):
         assert models.data[0].id == "smoe"
 
 
+async def until(condition) -> None:
+    """Wait for ``condition()`` to hold (it depends on HTTP round trips we do not drive)."""
+    async with asyncio.timeout(10):
+        while not condition():  # noqa: ASYNC110 (the server's state, polled)
+            await asyncio.sleep(0.005)
+
+
 async def test_api_key_and_queue_limits(vault):
-    options = ServerOptions(api_key="secret", max_queue=0)
+    options = ServerOptions(api_key="secret", max_queue=1)
     async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
         with pytest.raises(openai.AuthenticationError):
             await srv.client("wrong").models.list()
         async with aiohttp.ClientSession() as http, http.get(srv.base + "/health") as r:
             assert r.status == 200  # health needs no key
-        await engine._lock.acquire()  # the engine is busy with another request
+        await engine._lock.acquire()  # the engine is busy: nothing is admitted to the batch
         try:
-            with pytest.raises(openai.RateLimitError):
+            first = asyncio.create_task(
+                srv.client().chat.completions.create(model="smoe", messages=MESSAGES, max_tokens=2)
+            )
+            await until(lambda: engine.batcher.queued == 1)  # it waits in the queue
+            with pytest.raises(openai.RateLimitError):  # the queue is full
                 await srv.client().chat.completions.create(
                     model="smoe", messages=MESSAGES, max_tokens=2
                 )
         finally:
             engine._lock.release()
+        assert (await first).choices[0].finish_reason in ("stop", "length")
         r = await srv.client().chat.completions.create(
             model="smoe", messages=MESSAGES, max_tokens=2
         )
@@ -156,11 +168,41 @@ async def test_disconnect_mid_stream_frees_the_engine(vault):
             http.post(srv.base + "/v1/chat/completions", json=body) as r,
         ):
             await r.content.readline()  # the first event arrived: generation runs
-        # the connection is closed: the handler is cancelled and releases the engine
-        await asyncio.wait_for(engine._lock.acquire(), timeout=5)
-        engine._lock.release()
+        # the connection is closed: the handler is cancelled and the request leaves the
+        # batch at the next step, pinning nothing
+        await asyncio.wait_for(engine.batcher.wait_idle(), timeout=5)
+        assert not engine.batcher.active
         assert all(s.pins == 0 for s in engine.scheduler._slots)
         r = await srv.client().chat.completions.create(
             model="smoe", messages=MESSAGES, max_tokens=2
         )
         assert r.choices
+
+
+async def test_concurrent_requests_are_batched_and_equal_solo(vault):
+    """Four clients at once are decoded together (mean rows per step > 1) and each gets
+    the reply it gets alone (max_batch=1: one request at a time), token for token."""
+    asks = [
+        [{"role": "user", "content": text}]
+        for text in ("Hello", "What is an expert?", "Count to three", "Why is the sky blue?")
+    ]
+
+    async def ask(srv, messages):
+        r = await srv.client().chat.completions.create(
+            model="smoe", messages=messages, max_tokens=12, temperature=0
+        )
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    async with (
+        Engine.open(vault.path, max_batch=1) as engine,
+        Running(engine, ServerOptions()) as srv,
+    ):
+        solo = [await ask(srv, m) for m in asks]
+    async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
+        async with engine._lock:  # let all four arrive before the first is admitted
+            runs = [asyncio.ensure_future(ask(srv, m)) for m in asks]
+            await until(lambda: engine.batcher.queued == len(asks))
+        assert await asyncio.gather(*runs) == solo
+        async with aiohttp.ClientSession() as http, http.get(srv.base + "/v1/smoe/stats") as r:
+            batch = (await r.json())["batch"]
+        assert batch["mean_rows_per_step"] > 2 and batch["active"] == 0

@@ -52,6 +52,11 @@ class Sequence_:
     cached: int = 0  # leading tokens whose keys/values are in ``cache``
     sampler: Callable[[mx.array], mx.array] | None = None
     processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
+    seed: int | None = None  # seeded sampling: each position's draw depends on it alone
+
+    def to_prefill(self) -> int:
+        """Prompt tokens still to run before the sequence can be sampled."""
+        return max(0, len(self.tokens) - 1 - self.cached)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -66,9 +71,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Runner:
     """Runs ``model`` (with streamed experts) on the compute thread."""
 
-    def __init__(self, model: Any, chunk: int = 64, tracer: Any = None) -> None:
+    def __init__(
+        self, model: Any, chunk: int = 64, tracer: Any = None, batchable: bool = False
+    ) -> None:
         self.model = model
         self.chunk = chunk
+        self.batchable = batchable  # step_batch runs one pass (see smoe.compute.rowwise)
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
 
     def _phase(self, phase: int) -> None:
@@ -107,13 +115,20 @@ class Runner:
 
     def extend(self, seq: Sequence_, prompt: Sequence[int], params: SamplingParams) -> int:
         """Make ``seq`` ready to sample after ``prompt`` (the whole new stream), reusing the
-        cached prefix they share: trim the cache to the common prefix and prefill only the
-        rest (all but its last token). Returns how many tokens were prefilled."""
+        cached prefix they share. Returns how many tokens were prefilled."""
+        n = self.prepare(seq, prompt, params)
+        while self.prefill_chunk(seq):
+            pass
+        return n
+
+    def prepare(self, seq: Sequence_, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Point ``seq`` at ``prompt`` (the whole new stream): set its sampler, trim its
+        cache to the prefix they share. Returns how many tokens ``prefill_chunk`` must
+        then run (all but the prompt's last token, minus the reused prefix)."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-        if params.seed is not None:
-            mx.random.seed(params.seed)
+        seq.seed = params.seed
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
         )
@@ -130,9 +145,27 @@ class Runner:
                 trim_prompt_cache(seq.cache, seq.cached - keep)
             else:  # e.g. a sliding-window cache: start over
                 seq.cache, keep = self.new_cache(), 0
-        self._feed(prompt[keep:-1], seq.cache, logits=False)
-        seq.tokens, seq.cached = prompt, len(prompt) - 1
-        return len(prompt) - 1 - keep
+        seq.tokens, seq.cached = prompt, keep
+        return seq.to_prefill()
+
+    def prefill_chunk(self, seq: Sequence_) -> int:
+        """Run the next chunk (up to ``chunk`` tokens) of the prompt; return how many
+        tokens ran (0: the sequence is ready to sample)."""
+        todo = seq.to_prefill()
+        if todo == 0:
+            return 0
+        piece = seq.tokens[seq.cached : seq.cached + min(todo, self.chunk)]
+        try:
+            self._feed(piece, seq.cache, logits=False)
+        except BaseException:
+            self.reset(seq)
+            raise
+        seq.cached += len(piece)
+        return len(piece)
+
+    def reset(self, seq: Sequence_) -> None:
+        """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
+        seq.cache, seq.cached = self.new_cache(), 0
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
@@ -155,14 +188,57 @@ class Runner:
     def step(self, seq: Sequence_) -> int:
         """Run the last token, sample the next one, append it; return it."""
         self._phase(1)
-        y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+        try:
+            y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)  # [1, 1, V]
+            mx.eval(y)
+        except BaseException:
+            self.reset(seq)
+            raise
         seq.cached = len(seq.tokens)
-        logits = y[:, -1, :]
+        return self._sample(seq, y[:, -1, :])
+
+    def step_batch(self, seqs: list[Sequence_]) -> list[int]:
+        """One decode step of every sequence in ``seqs`` together: per MoE layer the union
+        of their experts is acquired once. Each sequence's logits and token are those of
+        ``step`` on it alone. If the pass fails, every sequence in it is reset."""
+        if len(seqs) == 1 or not self.batchable:
+            return [self.step(s) for s in seqs]
+        y = self._forward_batch(seqs)  # [B, 1, V]
+        return [self._sample(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
+
+    def next_logits_batch(self, seqs: list[Sequence_]) -> np.ndarray:
+        """``next_logits`` of each sequence, from one batched pass: [B, vocab] float32."""
+        if not self.batchable:
+            return np.stack([self.next_logits(s) for s in seqs])
+        return np.array(self._forward_batch(seqs)[:, -1].astype(mx.float32))
+
+    def _forward_batch(self, seqs: list[Sequence_]) -> mx.array:
+        """Run each sequence's last token in one pass ([B, 1] tokens, per-row caches)."""
+        from smoe.compute.rowwise import RowCaches
+
+        self._phase(1)
+        tokens = mx.array([s.tokens[-1:] for s in seqs])  # [B, 1]
+        caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
+        try:
+            y = self.model(tokens, cache=caches)  # [B, 1, V]
+            mx.eval(y)
+        except BaseException:
+            for s in seqs:
+                self.reset(s)
+            raise
+        for s in seqs:
+            s.cached = len(s.tokens)
+        return y
+
+    def _sample(self, seq: Sequence_, logits: mx.array) -> int:
+        """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""
         if seq.processors:
             history = mx.array(seq.tokens)
             for p in seq.processors:
                 logits = p(history, logits)
         assert seq.sampler is not None
+        if seq.seed is not None:  # a draw per position, whatever else shares the step
+            mx.random.seed((seq.seed * 1_000_003 + len(seq.tokens)) % 2**64)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = int(seq.sampler(logprobs).item())
         seq.tokens.append(token)

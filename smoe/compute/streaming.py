@@ -84,6 +84,7 @@ class Tracer:
     predicted: dict[int, set[int]] = field(default_factory=dict)
     lookahead_hits: int = 0
     lookahead_total: int = 0
+    unique_experts: int = 0  # distinct experts summed over every (pass, MoE layer)
 
     @property
     def lookahead_recall(self) -> float:
@@ -183,6 +184,7 @@ class StreamingExperts(nn.Module):
             self._tracer.calls.append(
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
             )
+            self._tracer.unique_experts += len(experts)
         return y
 
     def _run(self, x: mx.array, idx: np.ndarray, experts: list[int]) -> mx.array:
@@ -200,17 +202,20 @@ class StreamingExperts(nn.Module):
         k = idx.shape[-1]
         guess = tracer.predicted.pop(self.layer, None)
         if guess is not None:
-            tracer.lookahead_hits += len(guess & set(idx.reshape(-1).tolist()))
-            tracer.lookahead_total += idx.size
+            used = set(idx.reshape(-1).tolist())
+            tracer.lookahead_hits += len(guess & used)
+            tracer.lookahead_total += len(used)
         nxt = tracer.next_layer.get(self.layer)
         if nxt is None or nxt not in tracer.routers:
             return
         out = tracer.routers[nxt](x)
         if isinstance(out, tuple):  # a router that selects itself: (indices, scores)
-            top = np.array(out[0]).reshape(-1)[:k].tolist()
+            chosen = np.array(out[0]).reshape(-1, k)  # [B, k]
         else:
-            logits = np.array(out.astype(mx.float32)).reshape(-1)
-            top = np.argpartition(-logits, k)[:k].tolist()
+            logits = np.array(out.astype(mx.float32))
+            logits = logits.reshape(-1, logits.shape[-1])  # [B, E]
+            chosen = np.argpartition(-logits, k, axis=-1)[:, :k]  # [B, k]
+        top = np.unique(chosen).tolist()  # a batched step: the union of the rows' guesses
         tracer.predicted[nxt] = set(top)
         self._source.prefetch(nxt, top)
 

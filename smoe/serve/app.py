@@ -3,9 +3,11 @@
 Endpoints: POST /v1/chat/completions (JSON or server-sent events), POST /v1/completions,
 GET /v1/models, GET /health, GET /v1/smoe/stats. Errors use OpenAI's error format.
 
-State of this module (issue 8, in progress): requests are served one at a time by the
-engine (no batched decode yet); a request whose prompt extends an earlier one reuses that
-request's KV cache (prefix reuse); a client that disconnects cancels its work.
+Concurrent requests are decoded together by the engine's batcher (one step advances every
+active request; per MoE layer the union of their experts is read once), with results
+identical to running each alone. A request whose prompt extends an earlier one reuses
+that request's KV cache (prefix reuse). A client that disconnects leaves the batch at the
+next step. Requests beyond the batch wait in a bounded queue; past it they get 429.
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ class ApiError(Exception):
 @dataclass
 class ServerOptions:
     api_key: str | None = None
-    max_queue: int = 16  # requests waiting for the engine; more get 429
+    max_queue: int = 16  # requests waiting for a place in the batch; more get 429
     model_name: str = "smoe"
     cached_sequences: int = 8  # KV caches kept for prefix reuse
+    prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
 
 
 @dataclass
@@ -103,7 +106,6 @@ class Server:
     def __init__(self, engine: Engine, options: ServerOptions) -> None:
         self.engine = engine
         self.options = options
-        self.waiting = 0
         self.cache = PrefixCache(options.cached_sequences)
         self.reused_tokens = 0
         self.app = web.Application(middlewares=[self._errors, self._auth])
@@ -159,7 +161,7 @@ class Server:
         )
 
     async def stats(self, request: web.Request) -> web.Response:
-        sched = self.engine.scheduler
+        sched, batcher = self.engine.scheduler, self.engine.batcher
         return web.json_response(
             {
                 "scheduler": sched.stats.to_json(),
@@ -169,7 +171,15 @@ class Server:
                     "speculative": sched.queue_depth(1),
                     "in_flight": sched.in_flight,
                 },
-                "requests_waiting": self.waiting,
+                "batch": {
+                    "active": len(batcher.active),
+                    "waiting": batcher.queued,
+                    "max_batch": batcher.max_batch,
+                    "steps": batcher.steps,
+                    "mean_rows_per_step": batcher.step_rows / batcher.steps
+                    if batcher.steps
+                    else 0.0,
+                },
                 "prefix_reused_tokens": self.reused_tokens,
             }
         )
@@ -252,17 +262,9 @@ class Server:
             ids = self.engine._check_tokens(ids, extra=max_tokens)
         except SmoeError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
-        if self.engine._lock.locked() and self.waiting >= self.options.max_queue:
+        if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        self.waiting += 1
-        try:
-            await self.engine._lock.acquire()  # one request at a time (no batching yet)
-        finally:
-            self.waiting -= 1
-        try:
-            return await self._run(request, ids, max_tokens, params, stream, chat)
-        finally:
-            self.engine._lock.release()
+        return await self._run(request, ids, max_tokens, params, stream, chat)
 
     async def _run(
         self,
@@ -277,11 +279,12 @@ class Server:
         seq, reused = self.cache.take(ids)
         self.reused_tokens += reused
 
-        def prepare() -> tuple[Sequence_, int]:
+        def prepare() -> Sequence_:  # compute thread; the batcher prefills the rest
             nonlocal seq
             if seq is None:
                 seq = Sequence_(cache=engine.runner.new_cache())
-            return seq, engine.runner.extend(seq, ids, params)
+            engine.runner.prepare(seq, ids, params)
+            return seq
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -374,6 +377,8 @@ async def serve(
     A client that disconnects cancels its handler (and so its generation after the step
     in progress)."""
     server = Server(engine, options)
+    if options.prewarm_when_idle:
+        engine.batcher.on_idle = engine.prewarm
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

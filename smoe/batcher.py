@@ -1,0 +1,246 @@
+"""Continuous batching: the active generations advance together, one token per step.
+
+The batcher owns the engine's generation work on the compute thread. Each iteration runs
+under the engine lock (so ``Engine.logits``, conversation saves and the like slip in
+between iterations) and does, in order:
+
+1. admit waiting requests while fewer than ``max_batch`` are active: run their
+   ``prepare`` (set the sampler, trim the cache to the reused prefix; no model work);
+2. run one prefill chunk of the oldest request still prefilling, so a long prompt delays
+   the others' next token by one chunk at a time, not by its whole prefill;
+3. run one decode step of every request ready to sample, as one batched pass
+   (``Runner.step_batch``: per MoE layer the union of their experts is read once).
+
+A request's tokens, end and error go to its own queue, which ``Engine._stream`` reads.
+A cancelled ticket leaves the batch at the next iteration; the step in progress (one
+token's time) cannot be interrupted. Nothing here imports MLX: the runner does the math.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from smoe.errors import SmoeError
+
+
+@dataclass
+class Meter:
+    """Engine-wide counters read around each job to attribute I/O to requests."""
+
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    wait_s: float = 0.0
+    experts: int = 0  # distinct experts summed over (pass, MoE layer)
+
+    def add(self, cost: Meter, bytes_read: int) -> None:
+        """Count ``cost`` here, with ``bytes_read`` as this request's share of its bytes."""
+        self.bytes_read += bytes_read
+        self.hits += cost.hits
+        self.misses += cost.misses
+        self.wait_s += cost.wait_s
+        self.experts += cost.experts
+
+    def __sub__(self, other: Meter) -> Meter:
+        return Meter(
+            self.bytes_read - other.bytes_read,
+            self.hits - other.hits,
+            self.misses - other.misses,
+            self.wait_s - other.wait_s,
+            self.experts - other.experts,
+        )
+
+
+@dataclass
+class Ticket:
+    """One generation request in the batcher. ``prepare`` runs on the compute thread and
+    returns the sequence pointed at its prompt (``Runner.prepare`` done)."""
+
+    prepare: Callable[[], Any]
+    max_tokens: int
+    eos: frozenset[int] = frozenset()
+    events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    seq: Any = None
+    generated: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    prompt_run: int = 0  # prompt tokens to prefill (the rest of the prompt was reused)
+    # What this request cost: its prefill chunks and first step (time to first token),
+    # then its decode steps; bytes of a batched step are shared among its rows.
+    prefill: Meter = field(default_factory=Meter)
+    decode: Meter = field(default_factory=Meter)
+    batch_sizes: list[int] = field(default_factory=list)  # rows of each decode step
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Leave the batch at the next iteration (idempotent)."""
+        self.cancelled = True
+
+    def _finish(self, kind: str, value: Any) -> None:
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait((kind, value))
+
+
+class Batcher:
+    """Schedules tickets onto the compute thread (see the module docstring).
+
+    ``compute.run(fn, *args)`` awaits ``fn`` on the compute thread; ``runner`` has
+    ``prefill_chunk(seq)``, ``to_prefill`` on sequences, and ``step_batch(seqs)``;
+    ``meter()`` reads the engine-wide counters; ``on_demand()`` runs when a request is
+    admitted (drops queued speculative reads); ``on_idle()`` when the last one leaves.
+    """
+
+    def __init__(
+        self,
+        compute: Any,
+        runner: Any,
+        lock: asyncio.Lock,
+        meter: Callable[[], Meter],
+        max_batch: int = 8,
+        on_demand: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise SmoeError("max_batch must be at least 1")
+        self.compute = compute
+        self.runner = runner
+        self.lock = lock
+        self.meter = meter
+        self.max_batch = max_batch
+        self.on_demand = on_demand
+        self.on_idle = on_idle
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.active: list[Ticket] = []
+        self.steps = 0  # batched decode passes run
+        self.step_rows = 0  # sequences advanced by them
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ interface
+    def submit(self, ticket: Ticket) -> Ticket:
+        """Queue ``ticket``; its events arrive on ``ticket.events``."""
+        if self._closed:
+            raise SmoeError("the engine is closed")
+        self.waiting.append(ticket)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="smoe-batcher")
+        return ticket
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted but not yet admitted to the batch."""
+        return sum(1 for t in self.waiting if not t.cancelled)
+
+    async def wait_idle(self) -> None:
+        """Until no request is waiting or active."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """Stop the loop after the job in progress; every unfinished ticket gets an error."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for t in [*self.active, *self.waiting]:
+            t._finish("error", SmoeError("the engine closed during the request"))
+        self.active.clear()
+        self.waiting.clear()
+        self._idle.set()
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while True:
+            if not self.waiting and not self.active:
+                self._idle.set()
+                if self.on_idle is not None:
+                    self.on_idle()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self.lock:
+                try:
+                    await self._iteration()
+                except Exception as e:  # a bug here must not leave requests hanging
+                    for t in [*self.active, *self.waiting]:
+                        t._finish("error", e)
+                    self.active.clear()
+                    self.waiting.clear()
+
+    async def _iteration(self) -> None:
+        self._drop_cancelled()
+        while self.waiting and len(self.active) < self.max_batch:
+            ticket = self.waiting.popleft()
+            if ticket.cancelled:
+                continue
+            if self.on_demand is not None:
+                self.on_demand()
+            try:
+                ticket.seq = await self.compute.run(ticket.prepare)
+            except Exception as e:
+                ticket._finish("error", e)
+                continue
+            ticket.prompt_run = ticket.seq.to_prefill()
+            self.active.append(ticket)
+
+        prefilling = [t for t in self.active if t.seq.to_prefill() > 0]
+        if prefilling:
+            await self._prefill(prefilling[0])
+
+        ready = [t for t in self.active if not t.finished and t.seq.to_prefill() == 0]
+        if ready:
+            await self._decode(ready)
+        self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        self.active = [t for t in self.active if not (t.cancelled or t.finished)]
+        while self.waiting and self.waiting[0].cancelled:
+            self.waiting.popleft()
+
+    async def _prefill(self, ticket: Ticket) -> None:
+        before = self.meter()
+        try:
+            await self.compute.run(self.runner.prefill_chunk, ticket.seq)
+        except Exception as e:
+            ticket._finish("error", e)
+            return
+        finally:
+            cost = self.meter() - before
+            ticket.prefill.add(cost, cost.bytes_read)
+
+    async def _decode(self, ready: list[Ticket]) -> None:
+        before = self.meter()
+        try:
+            tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready])
+        except Exception as e:
+            for t in ready:
+                t._finish("error", e)
+            return
+        cost = self.meter() - before
+        self.steps += 1
+        self.step_rows += len(ready)
+        share = cost.bytes_read // len(ready)  # one read served every row that used it
+        for ticket, token in zip(ready, tokens, strict=True):
+            # The first token's step belongs to the time to first token, as in solo use.
+            m = ticket.prefill if ticket.generated == 0 else ticket.decode
+            m.add(cost, share)
+            if ticket.generated > 0:
+                ticket.batch_sizes.append(len(ready))
+            ticket.generated += 1
+            ticket.events.put_nowait(("token", token))
+            if token in ticket.eos:
+                ticket._finish("end", "stop")
+            elif ticket.generated >= ticket.max_tokens:
+                ticket._finish("end", "length")

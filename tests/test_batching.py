@@ -1,0 +1,199 @@
+"""Batched decode gives every request exactly what it gets alone.
+
+One decode pass advances several sequences of different lengths (smoe.compute.rowwise):
+the MoE layers read the union of their experts once, attention runs each row on its own
+cache. The logits of every row equal the solo logits bit for bit, for every architecture,
+with the ring at its minimum (the union then runs in waves) and with every expert; and so
+the tokens of concurrent generations and conversations equal solo ones, seeded sampling
+included. The solo path itself equals mlx-lm in memory (test_engine_exact.py); one test
+here also compares batched decode to mlx-lm directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from smoe.compute.runner import SamplingParams
+from smoe.engine import Engine
+from smoe.synth import synthesize
+from smoe.vault.convert import ConvertOptions, convert
+from tests.test_engine_exact import ARCHS, reference_decode, reference_model
+
+pytestmark = pytest.mark.asyncio
+PROMPT_LENGTHS = (5, 30, 70, 3)  # unequal caches; 70 prefills in two chunks
+STEPS = 6
+
+
+def prompts(n: int = len(PROMPT_LENGTHS)) -> list[list[int]]:
+    return [
+        np.random.default_rng(i).integers(2, 256, length).tolist()
+        for i, length in enumerate(PROMPT_LENGTHS[:n])
+    ]
+
+
+@pytest.fixture(scope="module")
+def vaults(hf_dir, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            root = tmp_path_factory.mktemp(f"batch-{arch}")
+            cache[arch] = convert(hf_dir(arch), root / "v", ConvertOptions(dtype="float32"))
+        return cache[arch]
+
+    return get
+
+
+async def solo_decode(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """Greedy decode of one sequence alone; the logits of each step."""
+    seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+    out = []
+    for _ in range(steps):
+        out.append(await engine.compute.run(engine.runner.next_logits, seq))
+        seq.tokens.append(int(np.argmax(out[-1])))
+    return out
+
+
+async def batched_decode(engine: Engine, ps: list[list[int]], steps: int) -> list[list]:
+    """Greedy decode of all of ``ps`` together, one batched pass per step."""
+    seqs = [await engine.compute.run(engine.runner.start, p, SamplingParams()) for p in ps]
+    out: list[list[np.ndarray]] = [[] for _ in ps]
+    for _ in range(steps):
+        logits = await engine.compute.run(engine.runner.next_logits_batch, seqs)
+        for row, seq in enumerate(seqs):
+            out[row].append(logits[row])
+            seq.tokens.append(int(np.argmax(logits[row])))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_batched_step_equals_solo_bit_for_bit(arch, vaults):
+    vault = vaults(arch)
+    top_k = int(vault.manifest.topology["experts_per_token"])
+    for ring in (dict(slots=top_k), {}):  # the minimum ring: each layer runs in waves
+        async with Engine.open(vault.path, **ring) as engine:
+            assert engine.runner.batchable
+            solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
+            batched = await batched_decode(engine, prompts(), STEPS)
+            for row in range(len(solo)):
+                for step in range(STEPS):
+                    a, b = batched[row][step], solo[row][step]
+                    assert np.array_equal(a, b), (ring, row, step, np.abs(a - b).max())
+            assert all(s.pins == 0 for s in engine.scheduler._slots)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: sliding-window masks
+async def test_batched_decode_equals_mlx_lm_in_memory(arch, vaults, tmp_path):
+    vault = vaults(arch)
+    ref = reference_model(vault, tmp_path / "mlx")
+    want = [reference_decode(ref, p, STEPS)[1] for p in prompts()]
+    async with Engine.open(vault.path) as engine:
+        got = await batched_decode(engine, prompts(), STEPS)
+    for row in range(len(want)):
+        for step in range(STEPS):
+            assert np.array_equal(got[row][step], want[row][step]), (row, step)
+
+
+async def collect(events) -> list[int]:
+    return [e.token async for e in events if e.token is not None]
+
+
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=0.9, seed=5),
+    dict(temperature=0.0, repetition_penalty=1.3),
+    dict(temperature=0.7, top_p=0.9, seed=11),
+]
+
+
+async def test_concurrent_generations_equal_solo_ones(vaults):
+    """Four generate() calls at once, greedy and seeded sampling, on a ring smaller than
+    their union: the tokens each would get alone (max_batch=1 runs them one by one)."""
+    vault = vaults("qwen3_moe")
+    top_k = int(vault.manifest.topology["experts_per_token"])
+    ps = prompts()
+    async with Engine.open(vault.path, max_batch=1) as engine:
+        solo = [
+            await collect(engine.generate(p, max_tokens=12, stop_at_eos=False, **kw))
+            for p, kw in zip(ps, SETTINGS, strict=True)
+        ]
+        assert engine.batcher.step_rows == engine.batcher.steps  # really one at a time
+    async with Engine.open(vault.path, slots=2 * top_k) as engine:
+        async with engine._lock:  # all four are queued before the first is admitted
+            runs = [
+                asyncio.ensure_future(
+                    collect(engine.generate(p, max_tokens=12, stop_at_eos=False, **kw))
+                )
+                for p, kw in zip(ps, SETTINGS, strict=True)
+            ]
+            await asyncio.sleep(0)  # each task runs up to its submit, then waits
+            assert engine.batcher.queued == len(runs)
+        assert await asyncio.gather(*runs) == solo
+        assert engine.batcher.step_rows >= 3 * engine.batcher.steps  # rows shared passes
+
+
+async def test_generation_stats_report_the_batch(vaults):
+    vault = vaults("qwen3_moe")
+    ps = prompts(2)
+
+    async def last(p):
+        events = [e async for e in engine.generate(p, max_tokens=5, stop_at_eos=False)]
+        return events[-1].stats
+
+    async with Engine.open(vault.path) as engine:
+        async with engine._lock:
+            runs = [asyncio.ensure_future(last(p)) for p in ps]
+            await asyncio.sleep(0)
+            assert engine.batcher.queued == 2
+        stats = await asyncio.gather(*runs)
+    for s in stats:
+        assert s.generated_tokens == 5 and s.decode_batch_mean > 1
+        assert s.prefilled_tokens in (len(ps[0]) - 1, len(ps[1]) - 1)
+
+
+async def test_concurrent_conversations_equal_solo_ones(tmp_path):
+    vault = convert(
+        synthesize(tmp_path / "src", arch="qwen3_moe", preset="tiny", seed=3),
+        tmp_path / "v",
+        ConvertOptions(dtype="float32"),
+    )
+    turns = [["Hello there", "Tell me more"], ["What is a vault?", "Why?"], ["Hi", "Bye"]]
+
+    async def chat(engine, lines):
+        conv = engine.conversation(system="Be brief.")
+        return [
+            "".join([e.text async for e in conv.send(line, max_tokens=8)]) for line in lines
+        ], conv.tokens
+
+    async with Engine.open(vault.path, max_batch=1) as engine:
+        solo = [await chat(engine, lines) for lines in turns]
+    async with Engine.open(vault.path) as engine:
+        assert await asyncio.gather(*(chat(engine, lines) for lines in turns)) == solo
+        assert engine.batcher.step_rows > engine.batcher.steps
+
+
+async def test_a_failed_batched_pass_resets_its_sequences(vaults):
+    """A pass that fails half-way leaves layers out of step; the sequences start over
+    (their next use prefills again) instead of decoding from a corrupt cache."""
+    vault = vaults("qwen3_moe")
+    async with Engine.open(vault.path) as engine:
+        r = engine.runner
+        seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts(2)]
+
+        def broken(layer, experts):
+            raise OSError("disk gone")
+
+        engine.slots.reserve = broken  # the first MoE layer fails after attention ran
+        with pytest.raises(OSError):
+            await engine.compute.run(r.step_batch, seqs)
+        del engine.slots.reserve
+        assert all(s.cached == 0 and s.to_prefill() == len(s.tokens) - 1 for s in seqs)
+        alone = await solo_decode(engine, prompts(1)[0], 1)
+        for seq in seqs:
+            while await engine.compute.run(r.prefill_chunk, seq):
+                pass
+        again = await engine.compute.run(r.next_logits_batch, seqs)
+        assert np.array_equal(again[0], alone[0])
