@@ -1,16 +1,26 @@
-"""Total decode throughput of `smoe serve` with N concurrent greedy clients.
+"""Total throughput of `smoe serve` with N concurrent greedy clients, batched decode
+against one request at a time, measured in the same run.
 
-    python bench/serve_clients.py VAULT [--clients 1,2,4,8] [--max-tokens 16] [--memory SIZE]
+    python bench/serve_clients.py VAULT [--clients 1,2,4,8] [--max-tokens 32]
+                                        [--prompt-tokens 16] [--memory SIZE]
 
-Starts the server in-process on a free port and drives it with the openai client. Prints JSON.
+Starts the server in-process on a free port and drives it over HTTP (aiohttp). For
+each client count it runs the batched server (max_batch 8) and the one-at-a-time server
+(max_batch 1) on the same engine, alternating which goes first (ABBA), with the same fresh
+random prompts (prefix reuse is off, so both prefill them fully); ``same_text`` says
+whether every client got the same completion both ways. Every client asks for exactly
+--max-tokens (no stop at EOS). Prints JSON; total_tok_s counts completion tokens over
+the wall time of the whole round, prefill included.
 """
 
 import argparse
 import asyncio
 import json
+import random
+import sys
 import time
 
-import openai
+import aiohttp
 
 import smoe.aio
 from smoe.engine import Engine
@@ -21,45 +31,109 @@ async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("vault")
     p.add_argument("--clients", default="1,2,4,8")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--memory", default=None)
+    p.add_argument("--max-batch", type=int, default=8)
     args = p.parse_args()
+    rng = random.Random(0)
     rows = []
-    async with Engine.open(args.vault, memory=args.memory) as engine:
+    async with Engine.open(args.vault, memory=args.memory, max_batch=args.max_batch) as engine:
+        vocab = int(engine.vault.manifest.topology["vocab_size"])
+        eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+        words = [t for t in range(3, vocab) if t not in eos]
         loop = asyncio.get_running_loop()
         port = loop.create_future()
-        task = loop.create_task(
-            serve(engine, "127.0.0.1", 0, ServerOptions(max_queue=64), ready=port.set_result)
-        )
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await port}/v1", api_key="x", max_retries=0
-        )
+        options = ServerOptions(max_queue=64, prewarm_when_idle=False, cached_sequences=0)
+        task = loop.create_task(serve(engine, "127.0.0.1", 0, options, ready=port.set_result))
+        url = f"http://127.0.0.1:{await port}/v1/completions"
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
-        async def one(i: int) -> int:
-            r = await client.completions.create(
-                model="smoe", prompt=[100 + i, 7, 9, 11], max_tokens=args.max_tokens, temperature=0
-            )
-            return r.usage.completion_tokens
-
-        for n in (int(x) for x in args.clients.split(",")):
+        async def one(prompt: list[int]) -> tuple[int, float, str]:
+            """Stream one completion; return (completion tokens, time to first token, text)."""
             start = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(one(i) for i in range(n))))
-            seconds = time.perf_counter() - start
-            rows.append(
-                {
-                    "clients": n,
-                    "tokens": tokens,
-                    "seconds": round(seconds, 3),
-                    "total_tok_s": round(tokens / seconds, 2),
-                }
+            body = {
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            ttft, tokens, text = None, 0, []
+            async with http.post(url, json=body) as r:
+                r.raise_for_status()
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        text.append(chunk["choices"][0]["text"])
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return tokens, ttft or 0.0, "".join(text)
+
+        async def round_(n: int, batch: int, prompts: list[list[int]]) -> dict:
+            engine.batcher.max_batch = batch
+            sched = engine.scheduler.stats
+            bytes0, steps0, rows0 = (
+                sched.bytes_read(),
+                engine.batcher.steps,
+                engine.batcher.step_rows,
             )
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(pr) for pr in prompts))
+            seconds = time.perf_counter() - start
+            tokens = sum(t for t, _, _ in results)
+            steps = engine.batcher.steps - steps0
+            return {
+                "clients": n,
+                "max_batch": batch,
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "total_tok_s": round(tokens / seconds, 2),
+                "mean_ttft_s": round(sum(t for _, t, _ in results) / n, 3),
+                "rows_per_step": round((engine.batcher.step_rows - rows0) / max(steps, 1), 2),
+                "mb_read_per_token": round((sched.bytes_read() - bytes0) / tokens / 1e6, 2),
+                "texts": [x for _, _, x in results],
+            }
+
+        def fresh(n: int) -> list[list[int]]:
+            return [rng.choices(words, k=args.prompt_tokens) for _ in range(n)]
+
+        await round_(1, 1, fresh(1))  # warm-up: imports, first-touch of the ring
+        for i, n in enumerate(int(x) for x in args.clients.split(",")):
+            order = (args.max_batch, 1) if i % 2 == 0 else (1, args.max_batch)
+            prompts = fresh(n)
+            got = {b: await round_(n, b, prompts) for b in order}
+            batched, alone = got[args.max_batch], got[1]
+            batched["vs_one_at_a_time"] = round(batched["total_tok_s"] / alone["total_tok_s"], 2)
+            batched["same_text"] = batched.pop("texts") == alone.pop("texts")
+            rows += [batched, alone]
+            print(
+                json.dumps(batched),
+                json.dumps(alone),
+                sep="\n",
+                flush=True,
+                file=sys.stderr,
+            )
+        await http.close()
         task.cancel()
+        single = next(r["total_tok_s"] for r in rows if r["clients"] == 1 and r["max_batch"] > 1)
+        for r in rows:
+            if r["max_batch"] > 1:
+                r["vs_single_client"] = round(r["total_tok_s"] / single, 2)
+        ring = {"slots": engine.ring.num_slots, "experts": engine.vault.manifest.num_records}
     print(
         json.dumps(
             {
                 "benchmark": "serve_clients",
                 "vault": args.vault,
-                "batched_decode": False,
+                "memory": args.memory,
+                "ring": ring,
+                "max_tokens": args.max_tokens,
+                "prompt_tokens": args.prompt_tokens,
                 "runs": rows,
             },
             indent=1,

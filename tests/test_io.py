@@ -607,3 +607,20 @@ async def test_close_waits_for_running_reads_and_drops_queued_ones(q4):
         await closing
     with pytest.raises(OSError):
         os.fstat(reader.fd)  # closed
+
+
+def test_a_ring_beyond_2_gib_allocates_and_views_its_last_slot():
+    """MLX shape dimensions are 32-bit: the ring is rows of 16 KiB, not one flat dimension
+    (which failed at 2 GiB, the size of any real model's ring)."""
+    from smoe.vault.format import Component, RecordLayout
+
+    stride = 1 << 20  # a 1 MiB record of one float32 [512, 512] component
+    layout = RecordLayout((Component("w", "float32", (512, 512), 0),), stride, stride)
+    ring = Ring(layout, 2049)  # 2 GiB + 1 MiB
+    assert ring.allocated_bytes > 2**31
+    last = np.frombuffer(ring.slot_memory(2048), dtype=np.float32)
+    last[:] = np.arange(last.size, dtype=np.float32)
+    view = ring.views()["w"]
+    assert view.shape == (2049, 512, 512)
+    assert np.array_equal(np.array(view[2048, ...]).reshape(-1), last)
+    del view, last, ring

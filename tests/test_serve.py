@@ -206,3 +206,30 @@ async def test_concurrent_requests_are_batched_and_equal_solo(vault):
         async with aiohttp.ClientSession() as http, http.get(srv.base + "/v1/smoe/stats") as r:
             batch = (await r.json())["batch"]
         assert batch["mean_rows_per_step"] > 2 and batch["active"] == 0
+
+
+async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch):
+    """An I/O error during generation: JSON requests get a 500 in OpenAI's format, streams
+    an error event; the server keeps serving."""
+    async with (
+        Engine.open(vault.path, slots=4) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        real = engine.slots.reserve
+
+        def broken(layer, experts):
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(engine.slots, "reserve", broken)
+        body = {"prompt": [5, 6, 7], "max_tokens": 3}
+        async with http.post(srv.base + "/v1/completions", json=body) as r:
+            assert r.status == 500
+            err = (await r.json())["error"]
+            assert "disk gone" in err["message"] and err["type"] == "server_error"
+        async with http.post(srv.base + "/v1/completions", json={**body, "stream": True}) as r:
+            events = [line async for line in r.content if line.startswith(b"data: ")]
+        assert b"disk gone" in events[0] and events[-1] == b"data: [DONE]\n"
+        monkeypatch.setattr(engine.slots, "reserve", real)
+        ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
+        assert ok.choices

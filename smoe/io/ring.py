@@ -73,10 +73,12 @@ class Ring:
         self.stride = layout.stride
         self.nbytes = num_slots * layout.stride  # the slots; allocated_bytes adds the slack
         self.allocated_bytes = self.nbytes + _ALIGN
-        self._buffer: Any = mx.zeros((self.allocated_bytes,), mx.uint8)
+        # Rows of 16 KiB: an MLX shape dimension is a 32-bit int, so one flat dimension
+        # would cap the ring at 2 GiB.
+        self._buffer: Any = mx.zeros((self.allocated_bytes // _ALIGN, _ALIGN), mx.uint8)
         mx.eval(self._buffer)
         # np.asarray views the MLX buffer (no copy), writable: reads land in the MLX array.
-        whole = np.asarray(self._buffer)
+        whole = np.asarray(self._buffer).reshape(-1)
         base = int(whole.ctypes.data)
         if base % max(ITEMSIZE.values()):
             raise RuntimeError(f"MLX allocation at {base:#x} is not 8-byte aligned")

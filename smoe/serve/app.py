@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from smoe.engine import Engine
 from smoe.errors import SmoeError
 
 MAX_TOKENS_LIMIT = 32768
+log = logging.getLogger("smoe.serve")
 
 
 class ApiError(Exception):
@@ -130,6 +132,9 @@ class Server:
             return ApiError(400, str(e)).response()
         except web.HTTPException as e:
             return ApiError(e.status, e.reason or "error").response()
+        except Exception as e:  # a fault of ours (an I/O error, a bug): say so, keep serving
+            log.exception("request failed")
+            return ApiError(500, f"internal error: {e}", "server_error").response()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -258,17 +263,21 @@ class Server:
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
         max_tokens, params, stream = self._sampling(body)
+        if _field(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        _field(body, "ignore_eos", bool, False)  # checked before any work
         try:
             ids = self.engine._check_tokens(ids, extra=max_tokens)
         except SmoeError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        return await self._run(request, ids, max_tokens, params, stream, chat)
+        return await self._run(request, body, ids, max_tokens, params, stream, chat)
 
     async def _run(
         self,
         request: web.Request,
+        body: dict[str, Any],
         ids: list[int],
         max_tokens: int,
         params: SamplingParams,
@@ -298,7 +307,8 @@ class Server:
             )
             await response.prepare(request)
         try:
-            async for event in engine._stream(prepare, len(ids), max_tokens, stop_at_eos=True):
+            stop_at_eos = not _field(body, "ignore_eos", bool, False)  # vLLM's extension
+            async for event in engine._stream(prepare, len(ids), max_tokens, stop_at_eos):
                 if event.token is not None:
                     completion += 1
                 if event.finish_reason:
@@ -307,6 +317,17 @@ class Server:
                     text.append(event.text)
                     if response is not None:
                         await self._sse(response, rid, kind, created, event.text, None, chat)
+        except Exception as e:
+            if response is None:
+                raise
+            # The stream has begun (status 200 sent): the error goes as an event.
+            log.exception("generation failed")
+            err = ApiError(500, f"internal error: {e}", "server_error")
+            error = {"message": err.message, "type": err.type, "param": None, "code": None}
+            await response.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         finally:
             if seq is not None:
                 self.cache.put(seq)
@@ -371,12 +392,17 @@ class Server:
 
 
 async def serve(
-    engine: Engine, host: str, port: int, options: ServerOptions, ready: Any = None
+    engine: Engine,
+    host: str,
+    port: int,
+    options: ServerOptions,
+    ready: Any = None,
+    server: Server | None = None,
 ) -> None:
     """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks one).
     A client that disconnects cancels its handler (and so its generation after the step
-    in progress)."""
-    server = Server(engine, options)
+    in progress). ``server``: a Server made by the caller (benchmarks inspect it)."""
+    server = server or Server(engine, options)
     if options.prewarm_when_idle:
         engine.batcher.on_idle = engine.prewarm
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
