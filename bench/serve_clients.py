@@ -102,7 +102,10 @@ async def main() -> None:
         def fresh(n: int) -> list[list[int]]:
             return [rng.choices(words, k=args.prompt_tokens) for _ in range(n)]
 
-        await round_(1, 1, fresh(1))  # warm-up: imports, first-touch of the ring
+        # Warm-up, not reported: imports, first touch of the ring, kernel compilation (MLX
+        # on CUDA compiles kernels at their first use, per shape).
+        await round_(4, args.max_batch, fresh(4))
+        await round_(1, 1, fresh(1))
         for i, n in enumerate(int(x) for x in args.clients.split(",")):
             order = (args.max_batch, 1) if i % 2 == 0 else (1, args.max_batch)
             prompts = fresh(n)

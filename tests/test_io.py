@@ -610,17 +610,20 @@ async def test_close_waits_for_running_reads_and_drops_queued_ones(q4):
 
 
 def test_a_ring_beyond_2_gib_allocates_and_views_its_last_slot():
-    """MLX shape dimensions are 32-bit: the ring is rows of 16 KiB, not one flat dimension
-    (which failed at 2 GiB, the size of any real model's ring)."""
-    from smoe.vault.format import Component, RecordLayout
+    """MLX sizes a shape dimension with a 32-bit int: the ring is rows of 16 KiB, and its
+    views never flatten it (one flat dimension failed at 2 GiB, any real model's ring)."""
+    from smoe.vault.format import Component
 
-    stride = 1 << 20  # a 1 MiB record of one float32 [512, 512] component
-    layout = RecordLayout((Component("w", "float32", (512, 512), 0),), stride, stride)
-    ring = Ring(layout, 2049)  # 2 GiB + 1 MiB
+    stride = 1 << 20  # a 1 MiB record: one uint8 [1024, 1024] component
+    layout = RecordLayout((Component("w", "uint8", (1024, 1024), 0),), stride, stride)
+    ring = Ring(layout, 2049)  # 2 GiB + 1 MiB: 2^31 + 2^20 one-byte elements
     assert ring.allocated_bytes > 2**31
-    last = np.frombuffer(ring.slot_memory(2048), dtype=np.float32)
-    last[:] = np.arange(last.size, dtype=np.float32)
+    for slot in (0, 1000, 2048):
+        mine = np.frombuffer(ring.slot_memory(slot), dtype=np.uint8)
+        mine[:] = np.random.default_rng(slot).integers(0, 255, mine.size, dtype=np.uint8)
     view = ring.views()["w"]
-    assert view.shape == (2049, 512, 512)
-    assert np.array_equal(np.array(view[2048, ...]).reshape(-1), last)
-    del view, last, ring
+    assert view.shape == (2049, 1024, 1024)
+    for slot in (0, 1000, 2048):
+        want = np.random.default_rng(slot).integers(0, 255, stride, dtype=np.uint8)
+        assert np.array_equal(np.array(view[slot, ...]).reshape(-1), want), slot
+    del view, ring

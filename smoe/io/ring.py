@@ -138,8 +138,10 @@ class Ring:
         views: dict[str, Any] = {}
         for c in self.layout.components:
             itemsize = ITEMSIZE[c.dtype]
-            # flat: the whole allocation reinterpreted as the component dtype (a view).
-            flat = self._buffer.view(mx_dtype(c.dtype))
+            # as_strided flattens its input, and MLX sizes a flat dimension with a 32-bit
+            # int, so it gets the buffer's first row only (same address; as_strided reads
+            # past its input's shape by design). The view stays inside the allocation.
+            flat = self._buffer[:1].view(mx_dtype(c.dtype))
             # view: [S, *shape]; slot s, element idx at flat[offset + s*slot_elems + row-major(idx)]
             inner = [math.prod(c.shape[i + 1 :]) for i in range(len(c.shape))]
             views[c.name] = mx.as_strided(
