@@ -31,7 +31,8 @@ from smoe.io.ring import Ring
 from smoe.learning import Popularity
 from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
-from smoe.vault.format import Vault
+from smoe.units import parse_size
+from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, Vault
 
 if TYPE_CHECKING:
     from smoe.conversation import Conversation
@@ -128,13 +129,16 @@ class Engine:
             raise SmoeError("prefill_chunk must be at least 1")
         if o.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
+        cap = self._device_slot_cap()
         if o.slots is not None:
             if o.slots < top_k:
                 raise SmoeError(
                     f"slots={o.slots} is below one token's top-{top_k}; use {top_k} or more"
                 )
+            self._check_device_cap(o.slots, cap)
             self.ring = Ring(m.record, o.slots)
         elif o.memory is not None:
+            self._check_device_cap(min(parse_size(o.memory) // m.record.stride, m.num_records), cap)
             self.ring = Ring.for_budget(
                 m.record,
                 o.memory,
@@ -143,7 +147,8 @@ class Engine:
                 reason=f"one layer's top-{top_k}",
             )
         else:
-            self.ring = Ring(m.record, max(top_k, min(m.num_records, self._auto_slots())))
+            auto = min(m.num_records, self._auto_slots(), cap or m.num_records)
+            self.ring = Ring(m.record, max(top_k, auto))
         self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
         self.popularity = Popularity(self.vault)
         self.tracer.popularity = self.popularity
@@ -183,6 +188,28 @@ class Engine:
         self.max_context = min(o.max_context or limit, limit)
         self._opened = True
         return self
+
+    def _device_slot_cap(self) -> int | None:
+        """The most slots MLX's GPU kernels can address: they index an array with 32-bit
+        element offsets, so a ring view must span fewer than 2^31 elements of its
+        narrowest component (measured on CUDA: a 7.25 GB bf16 ring faulted). None on CPU,
+        whose kernels use 64-bit offsets (tests/test_io.py)."""
+        import mlx.core as mx
+
+        if mx.default_device() != mx.gpu:
+            return None
+        record = self.vault.manifest.record
+        narrowest = min(ITEMSIZE[c.dtype] for c in record.components)
+        return ((2**31 - 1) * narrowest - RECORD_ALIGN) // record.stride
+
+    def _check_device_cap(self, slots: int, cap: int | None) -> None:
+        if cap is not None and slots > cap:
+            stride = self.vault.manifest.record.stride
+            raise SmoeError(
+                f"a ring of {slots} slots is too large for MLX's GPU kernels (32-bit offsets: "
+                f"at most {cap} slots of this vault); use --memory {cap * stride // 10**6}MB "
+                "or less"
+            )
 
     def _auto_slots(self) -> int:
         """Without a budget: every expert if that fits in half of the memory available

@@ -252,3 +252,26 @@ async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch)
     monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
     async with Engine.open(vault.path) as engine:  # never below one token's top-k
         assert engine.ring.num_slots == m.topology["experts_per_token"]
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_ring_is_capped_at_32_bit_offsets(vault, monkeypatch):
+    """On a GPU the ring may not span 2^31 elements of its narrowest component (MLX's
+    kernels there use 32-bit offsets): an explicit budget beyond that is refused, naming
+    the largest that works; the default budget is capped instead."""
+    import mlx.core as mx
+
+    from smoe.errors import SmoeError
+
+    engine = Engine.open(vault.path, slots=10)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    record = engine.vault.manifest.record
+    narrowest = min(
+        {"uint32": 4, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}[c.dtype]
+        for c in record.components
+    )
+    cap = engine._device_slot_cap()
+    assert cap * record.stride < 2**31 * narrowest <= (cap + 2) * record.stride
+    with pytest.raises(SmoeError, match="32-bit offsets.*--memory"):
+        engine._check_device_cap(cap + 1, cap)
+    engine._check_device_cap(cap, cap)
