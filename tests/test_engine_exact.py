@@ -473,3 +473,25 @@ async def test_prefill_reads_each_chunks_union_once(quantized):
     assert sorted(reads) == sorted(m.record_index(*k) for k in keys)
     assert stats.misses == len(keys) and stats.bytes_read() == stride * len(keys)
     assert stats.hits == sum(t.unique_experts for t in traces) - len(keys) > 0
+
+
+@pytest.mark.asyncio
+async def test_whole_layer_mode_used_on_gpus_is_exact_too(quantized):
+    """On a GPU each MoE layer waits for all its experts and runs as one call (kernels
+    there depend on the call's shape); on the CPU that mode equals mlx-lm as well."""
+    from smoe.compute.streaming import StreamingExperts
+
+    vault, ref = quantized("qwen3_moe")
+    prompt = _prompt(70, seed=4)
+    ref_tokens, ref_step_logits = reference_decode(ref, prompt, 8)
+    m = vault.manifest
+    async with Engine.open(vault.path, memory=(m.num_records // 2) * m.record.stride) as engine:
+        modules = [x for x in engine.runner.model.modules() if isinstance(x, StreamingExperts)]
+        assert modules and all(x.overlap for x in modules)  # the CPU default
+        for x in modules:
+            x.overlap = False
+        step_logits, picks = await engine_decode(engine, prompt, ref_tokens)
+        assert picks == ref_tokens
+        for a, b in zip(step_logits, ref_step_logits, strict=True):
+            assert np.array_equal(a, b)
+        assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))

@@ -100,10 +100,12 @@ def build_model(
 
     views = ring.views()
     num_experts = vault.manifest.num_experts
+    overlap = mx.default_device() != mx.gpu  # see StreamingExperts.overlap
     for spec in vault.manifest.layers:
         parent, attr = _resolve(model, spec.module)
         inner = ring_module(getattr(parent, attr), views)
-        setattr(parent, attr, StreamingExperts(inner, spec.layer, num_experts, source, tracer))
+        streaming = StreamingExperts(inner, spec.layer, num_experts, source, tracer, overlap)
+        setattr(parent, attr, streaming)
 
     expected = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - set(weights))

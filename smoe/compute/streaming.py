@@ -137,8 +137,13 @@ class StreamingExperts(nn.Module):
         num_experts: int,
         source: SlotSource,
         tracer: Tracer | None = None,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
+        # overlap: compute each expert as its read completes. Exact only where kernels
+        # compute rows independently of the call's shape (the CPU); on a GPU the layer
+        # runs as one call once all its experts are READY, as mlx-lm calls it.
+        self.overlap = overlap
         # Kept out of the parameter tree: these are views of the ring, not model weights.
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_source", source)
@@ -172,7 +177,8 @@ class StreamingExperts(nn.Module):
         capacity = self._source.capacity()
         resident = 0
         if len(experts) <= capacity:
-            y, resident = self._run_overlapped(x, idx, experts)
+            run = self._run_overlapped if self.overlap else self._run_whole
+            y, resident = run(x, idx, experts)
             waves = 1
         else:
             y, waves = self._run_in_waves(x, idx, experts, capacity)
@@ -228,6 +234,16 @@ class StreamingExperts(nn.Module):
         k = used.shape[-1]
         ranking = gate_ranking(gates, used, k + n)[0, k:]
         self._source.prefetch(self.layer, ranking.tolist())
+
+    def _run_whole(self, x: mx.array, idx: np.ndarray, experts: list[int]) -> tuple[mx.array, int]:
+        """Wait for every expert of the layer, then compute them in one call."""
+        lease = self._source.reserve(self.layer, experts)
+        try:
+            resident = int(sum(lease.ready))
+            lease.wait()
+            return self._compute(x, idx, experts, lease.slots), resident
+        finally:
+            self._source.release(lease.slots)
 
     def _run_overlapped(
         self, x: mx.array, idx: np.ndarray, experts: list[int]
