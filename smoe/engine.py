@@ -149,6 +149,7 @@ class Engine:
         else:
             auto = min(m.num_records, self._auto_slots(), cap or m.num_records)
             self.ring = Ring(m.record, max(top_k, auto))
+        self._check_cuda_streaming(self.ring.num_slots)
         self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
         self.popularity = Popularity(self.vault)
         self.tracer.popularity = self.popularity
@@ -209,6 +210,22 @@ class Engine:
                 f"a ring of {slots} slots is too large for MLX's GPU kernels (32-bit offsets: "
                 f"at most {cap} slots of this vault); use --memory {cap * stride // 10**6}MB "
                 "or less"
+            )
+
+    def _check_cuda_streaming(self, slots: int) -> None:
+        """Refuse to stream on CUDA. There the I/O threads' rewrites of a ring slot are not
+        reliably seen by MLX's kernels (measured on an H200, MLX 0.32.4: logits off by
+        up to 12 once slots are reused, while a ring holding every expert, never rewritten,
+        is right). The CPU is exact (tests/); Apple's unified memory is not tested here."""
+        import mlx.core as mx
+
+        m = self.vault.manifest
+        if mx.default_device() == mx.gpu and not mx.metal.is_available() and slots < m.num_records:
+            need = m.num_records * m.record.stride
+            raise SmoeError(
+                f"streaming experts on a CUDA GPU is not supported yet (a ring of {slots} of "
+                f"{m.num_records} experts; see docs/serve.md, 'GPU'): use a budget that holds "
+                f"every expert (--memory {-(-need // 10**6)}MB) or MLX's CPU backend (mlx[cpu])"
             )
 
     def _auto_slots(self) -> int:

@@ -275,3 +275,23 @@ async def test_a_gpu_ring_is_capped_at_32_bit_offsets(vault, monkeypatch):
     with pytest.raises(SmoeError, match="32-bit offsets.*--memory"):
         engine._check_device_cap(cap + 1, cap)
     engine._check_device_cap(cap, cap)
+
+
+@pytest.mark.asyncio
+async def test_streaming_on_cuda_is_refused_with_the_way_out(vault, monkeypatch):
+    """On CUDA, slot rewrites are not seen reliably by MLX's kernels (docs/serve.md):
+    a ring smaller than the model is refused, naming the budget that holds every expert."""
+    import mlx.core as mx
+
+    from smoe.errors import SmoeError
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    engine = Engine.open(vault.path, slots=4)
+    with pytest.raises(SmoeError, match="CUDA.*--memory .*MB"):
+        await engine.__aenter__()
+    await engine.aclose()
+    every = engine.vault.manifest.num_records
+    engine._check_cuda_streaming(every)  # every expert resident: allowed
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple: allowed
+    engine._check_cuda_streaming(4)
