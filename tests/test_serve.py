@@ -233,3 +233,16 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch):
         monkeypatch.setattr(engine.slots, "reserve", real)
         ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
         assert ok.choices
+
+
+@pytest.mark.parametrize("prewarm", [True, False])
+async def test_an_idle_server_prewarms_the_ring(vault, monkeypatch, prewarm):
+    """At start and when the last request leaves, the server reads the hottest experts into
+    empty slots (engine.prewarm); --no-prewarm turns that off."""
+    async with Engine.open(vault.path) as engine:
+        calls = []
+        monkeypatch.setattr(engine, "prewarm", lambda: calls.append("prewarm") or 0)
+        async with Running(engine, ServerOptions(prewarm_when_idle=prewarm)) as srv:
+            await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
+            await engine.batcher.wait_idle()
+        assert calls == (["prewarm"] * 2 if prewarm else [])  # at start, and when idle

@@ -409,6 +409,8 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    if options.prewarm_when_idle:
+        engine.prewarm()  # idle from the start
     if ready is not None:
         sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
         ready(sockets[0].getsockname()[1] if sockets else port)
