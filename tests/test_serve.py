@@ -246,3 +246,78 @@ async def test_an_idle_server_prewarms_the_ring(vault, monkeypatch, prewarm):
             await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
             await engine.batcher.wait_idle()
         assert calls == (["prewarm"] * 2 if prewarm else [])  # at start, and when idle
+
+
+async def test_stop_matcher_holds_back_only_what_may_start_a_stop_string():
+    from smoe.serve.stops import StopMatcher
+
+    m = StopMatcher(["END", "\n\n"])
+    assert [m.feed(x) for x in ("ab", "cE", "N")] == ["ab", "c", ""]  # "EN" may become END
+    assert m.feed("Dtail") == "" and m.stopped  # cut before the stop string
+    m = StopMatcher(["END"])
+    assert m.feed("xyEN") == "xy" and m.feed("x") == "ENx" and m.flush() == ""
+    m = StopMatcher(["END"])
+    assert m.feed("xE") == "x" and m.flush() == "E"  # the text ended: the tail goes out
+    assert StopMatcher([]).feed("anything") == "anything"  # no stops: nothing held
+
+
+async def test_stop_strings_cut_the_reply_streaming_or_not(vault):
+    async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
+        c = srv.client()
+        ask = dict(model="smoe", prompt=[5, 6, 7], max_tokens=24, temperature=0)
+        full = (await c.completions.create(**ask, extra_body={"ignore_eos": True})).choices[0]
+        text = full.text
+        assert len(text) >= 8, text
+        stop = text[4:7]
+        want = text[: text.find(stop)]
+        got = (
+            await c.completions.create(**ask, stop=[stop], extra_body={"ignore_eos": True})
+        ).choices[0]
+        assert (got.text, got.finish_reason) == (want, "stop")
+        stream = await c.completions.create(
+            **ask, stop=stop, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = [ch.choices[0] async for ch in stream if ch.choices]
+        assert "".join(ch.text for ch in chunks) == want
+        assert chunks[-1].finish_reason == "stop"
+        await engine.batcher.wait_idle()  # the stopped request left the batch
+
+
+async def test_text_parts_penalties_and_unsupported_fields(vault):
+    async with (
+        Engine.open(vault.path) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        c = srv.client()
+        plain = await c.chat.completions.create(
+            model="smoe", messages=MESSAGES, max_tokens=6, temperature=0
+        )
+        parts = [
+            {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+            for m in MESSAGES
+        ]
+        same = await c.chat.completions.create(
+            model="smoe", messages=parts, max_tokens=6, temperature=0
+        )
+        assert same.choices[0].message.content == plain.choices[0].message.content
+        penalized = await c.chat.completions.create(
+            model="smoe",
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+        )
+        assert penalized.usage.completion_tokens >= 1
+        for extra, needle in [
+            ({"logprobs": True}, "logprobs"),
+            ({"tools": [{"type": "function"}]}, "tools"),
+            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+            ({"presence_penalty": 3}, "presence_penalty"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ]:
+            body = {"messages": MESSAGES, "max_tokens": 2, **extra}
+            async with http.post(srv.base + "/v1/chat/completions", json=body) as r:
+                assert r.status == 400, extra
+                assert needle in (await r.json())["error"]["message"]

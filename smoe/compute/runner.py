@@ -29,6 +29,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_context: int = 20
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from seen tokens' logits
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence
 
     def check(self) -> None:
         from smoe.errors import SmoeError
@@ -41,6 +43,8 @@ class SamplingParams:
             raise SmoeError("top_k must be >= 0 and min_p in [0, 1)")
         if self.repetition_penalty <= 0:
             raise SmoeError("repetition_penalty must be > 0 (1 is off)")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise SmoeError("presence_penalty and frequency_penalty must be in [-2, 2]")
 
 
 @dataclass
@@ -132,10 +136,14 @@ class Runner:
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
         )
-        seq.processors = (
-            make_logits_processors(None, params.repetition_penalty, params.repetition_context)
-            if params.repetition_penalty != 1.0
-            else []
+        seq.processors = make_logits_processors(
+            None,
+            params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+            params.repetition_context,
+            params.presence_penalty or None,
+            params.repetition_context,
+            params.frequency_penalty or None,
+            params.repetition_context,
         )
         prompt = list(prompt)
         keep = common_prefix(seq.tokens[: seq.cached], prompt)

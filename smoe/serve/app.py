@@ -13,6 +13,7 @@ next step. Requests beyond the batch wait in a bounded queue; past it they get 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from aiohttp import web
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
 from smoe.engine import Engine
 from smoe.errors import SmoeError
+from smoe.serve.stops import StopMatcher
 
 MAX_TOKENS_LIMIT = 32768
 log = logging.getLogger("smoe.serve")
@@ -67,6 +69,27 @@ class ServerOptions:
     model_name: str = "smoe"
     cached_sequences: int = 8  # KV caches kept for prefix reuse
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
+
+
+@dataclass
+class RequestOptions:
+    max_tokens: int
+    params: SamplingParams
+    stream: bool
+    stops: list[str]
+    stop_at_eos: bool
+
+
+def _text_content(content: Any) -> str | None:
+    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    return None
 
 
 @dataclass
@@ -199,7 +222,8 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def _sampling(self, body: dict[str, Any]) -> tuple[int, SamplingParams, bool]:
+    def _options(self, body: dict[str, Any]) -> RequestOptions:
+        """The generation settings of a request; ApiError 400 names the bad field."""
         max_tokens = _field(body, "max_tokens", int, None)
         if max_tokens is None:
             max_tokens = _field(body, "max_completion_tokens", int, 256)
@@ -207,37 +231,67 @@ class Server:
             raise ApiError(
                 400, f"max_tokens must be between 1 and {MAX_TOKENS_LIMIT}", param="max_tokens"
             )
+        number = (int, float)
         params = SamplingParams(
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
-            top_p=float(_field(body, "top_p", (int, float), 1.0)),
+            temperature=float(_field(body, "temperature", number, 1.0)),
+            top_p=float(_field(body, "top_p", number, 1.0)),
+            top_k=_field(body, "top_k", int, 0),  # vLLM's extensions: top_k, min_p,
+            min_p=float(_field(body, "min_p", number, 0.0)),  # repetition_penalty
+            repetition_penalty=float(_field(body, "repetition_penalty", number, 1.0)),
+            presence_penalty=float(_field(body, "presence_penalty", number, 0.0)),
+            frequency_penalty=float(_field(body, "frequency_penalty", number, 0.0)),
             seed=_field(body, "seed", int, None),
         )
         try:
             params.check()
         except SmoeError as e:
             raise ApiError(400, str(e)) from None
-        return max_tokens, params, bool(_field(body, "stream", bool, False))
+        if _field(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        for name in ("logprobs", "tools", "functions"):
+            if body.get(name):
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+        stop = _field(body, "stop", (str, list), [])
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):
+            raise ApiError(
+                400, "'stop' must be a string or up to 4 non-empty strings", param="stop"
+            )
+        return RequestOptions(
+            max_tokens=max_tokens,
+            params=params,
+            stream=_field(body, "stream", bool, False),
+            stops=stops,
+            stop_at_eos=not _field(body, "ignore_eos", bool, False),  # vLLM's extension
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
+        turns = (
+            [
+                {"role": m.get("role"), "content": _text_content(m.get("content"))}
                 for m in messages
-            )
+                if isinstance(m, dict)
+            ]
+            if isinstance(messages, list)
+            else []
+        )
+        if (
+            not turns
+            or len(turns) != len(messages)
+            or not all(isinstance(t["role"], str) and t["content"] is not None for t in turns)
         ):
             raise ApiError(
-                400, "'messages' must be a non-empty list of {role, content}", param="messages"
+                400,
+                "'messages' must be a non-empty list of {role, content}, content being text "
+                "or a list of text parts",
+                param="messages",
             )
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
         ids = self.engine.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages],
+            turns,
             add_generation_prompt=True,
             tokenize=True,
         )
@@ -262,27 +316,17 @@ class Server:
     async def _complete(
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
-        max_tokens, params, stream = self._sampling(body)
-        if _field(body, "n", int, 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        _field(body, "ignore_eos", bool, False)  # checked before any work
+        opts = self._options(body)
         try:
-            ids = self.engine._check_tokens(ids, extra=max_tokens)
+            ids = self.engine._check_tokens(ids, extra=opts.max_tokens)
         except SmoeError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        return await self._run(request, body, ids, max_tokens, params, stream, chat)
+        return await self._run(request, ids, opts, chat)
 
     async def _run(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        ids: list[int],
-        max_tokens: int,
-        params: SamplingParams,
-        stream: bool,
-        chat: bool,
+        self, request: web.Request, ids: list[int], opts: RequestOptions, chat: bool
     ) -> web.StreamResponse:
         engine = self.engine
         seq, reused = self.cache.take(ids)
@@ -292,7 +336,7 @@ class Server:
             nonlocal seq
             if seq is None:
                 seq = Sequence_(cache=engine.runner.new_cache())
-            engine.runner.prepare(seq, ids, params)
+            engine.runner.prepare(seq, ids, opts.params)
             return seq
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -301,22 +345,31 @@ class Server:
         text: list[str] = []
         finish, completion = "length", 0
         response: web.StreamResponse | None = None
-        if stream:
+        stops = StopMatcher(opts.stops)
+        if opts.stream:
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
         try:
-            stop_at_eos = not _field(body, "ignore_eos", bool, False)  # vLLM's extension
-            async for event in engine._stream(prepare, len(ids), max_tokens, stop_at_eos):
-                if event.token is not None:
-                    completion += 1
-                if event.finish_reason:
-                    finish = event.finish_reason
-                if event.text:
-                    text.append(event.text)
-                    if response is not None:
-                        await self._sse(response, rid, kind, created, event.text, None, chat)
+            events = engine._stream(prepare, len(ids), opts.max_tokens, opts.stop_at_eos)
+            async with contextlib.aclosing(events):  # leaving early frees the batch place
+                async for event in events:
+                    if event.token is not None:
+                        completion += 1
+                    if event.finish_reason:
+                        finish = event.finish_reason
+                    piece = stops.feed(event.text) if event.text else ""
+                    if stops.stopped:
+                        finish = "stop"
+                    elif event.finish_reason:
+                        piece += stops.flush()
+                    if piece:
+                        text.append(piece)
+                        if response is not None:
+                            await self._sse(response, rid, kind, created, piece, None, chat)
+                    if stops.stopped:
+                        break
         except Exception as e:
             if response is None:
                 raise
