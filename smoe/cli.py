@@ -291,18 +291,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
+    from smoe.units import parse_size
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.max_batch < 1 or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
+    options = ServerOptions(
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        model_name=args.vault.name,
+        prewarm_when_idle=args.prewarm,
+        cached_bytes=parse_size(args.prefix_cache),
+    )
     async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
-        options = ServerOptions(
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            model_name=args.vault.name,
-            prewarm_when_idle=args.prewarm,
-        )
 
         def ready(port: int) -> None:
             print(f"serving {args.vault} on http://{args.host}:{port}/v1", file=sys.stderr)
@@ -603,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8,
         help="requests decoded together, one token each per step (1: one at a time)",
+    )
+    sv.add_argument(
+        "--prefix-cache",
+        default="2GB",
+        help="memory for the KV caches kept for prefix reuse (last 8 requests; 0: off)",
     )
     sv.add_argument(
         "--no-prewarm",

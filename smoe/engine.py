@@ -422,6 +422,8 @@ class Engine:
         runs on the compute thread and returns the sequence pointed at its prompt
         (``Runner.prepare``); the batcher prefills it and decodes it with the others.
         Leaving the iteration early takes the request out of the batch."""
+        if not self._opened:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         ticket = self.batcher.submit(Ticket(prepare, max_tokens, frozenset(eos)))
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None

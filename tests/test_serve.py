@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 from smoe.synth import synthesize
@@ -321,3 +322,20 @@ async def test_text_parts_penalties_and_unsupported_fields(vault):
             async with http.post(srv.base + "/v1/chat/completions", json=body) as r:
                 assert r.status == 400, extra
                 assert needle in (await r.json())["error"]["message"]
+
+
+async def test_prefix_cache_keeps_a_bounded_number_of_bytes(vault):
+    from smoe.serve.app import PrefixCache
+
+    async with Engine.open(vault.path) as engine:
+        r = engine.runner
+        seqs = [
+            await engine.compute.run(r.start, list(range(5 + i, 45 + i)), SamplingParams())
+            for i in range(3)
+        ]
+        one = sum(c.nbytes for c in seqs[0].cache)
+        cache = PrefixCache(capacity=8, max_bytes=2 * one)
+        for s in seqs:
+            cache.put(s)
+        assert cache.entries == [seqs[2], seqs[1]] and cache.nbytes() == 2 * one
+        assert PrefixCache(capacity=8, max_bytes=0).put(seqs[0]) is None  # 0: keeps none

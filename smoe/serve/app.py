@@ -68,6 +68,7 @@ class ServerOptions:
     max_queue: int = 16  # requests waiting for a place in the batch; more get 429
     model_name: str = "smoe"
     cached_sequences: int = 8  # KV caches kept for prefix reuse
+    cached_bytes: int = 2 * 1024**3  # and at most this much of their keys and values
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
 
 
@@ -94,9 +95,11 @@ def _text_content(content: Any) -> str | None:
 
 @dataclass
 class PrefixCache:
-    """KV caches of recent requests; a new prompt takes the one sharing its longest prefix."""
+    """KV caches of recent requests; a new prompt takes the one sharing its longest prefix.
+    Keeps at most ``capacity`` caches and ``max_bytes`` of keys and values (oldest go)."""
 
     capacity: int
+    max_bytes: int = 2 * 1024**3
     entries: list[Sequence_] = field(default_factory=list)
 
     def take(self, prompt: list[int]) -> tuple[Sequence_ | None, int]:
@@ -112,6 +115,15 @@ class PrefixCache:
     def put(self, seq: Sequence_) -> None:
         self.entries.insert(0, seq)
         del self.entries[self.capacity :]
+        while self.entries and self.nbytes() > self.max_bytes:
+            self.entries.pop()
+
+    def nbytes(self) -> int:
+        return sum(_cache_bytes(seq) for seq in self.entries)
+
+
+def _cache_bytes(seq: Sequence_) -> int:
+    return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -131,7 +143,7 @@ class Server:
     def __init__(self, engine: Engine, options: ServerOptions) -> None:
         self.engine = engine
         self.options = options
-        self.cache = PrefixCache(options.cached_sequences)
+        self.cache = PrefixCache(options.cached_sequences, options.cached_bytes)
         self.reused_tokens = 0
         self.app = web.Application(middlewares=[self._errors, self._auth])
         self.app.add_routes(
@@ -209,6 +221,11 @@ class Server:
                     else 0.0,
                 },
                 "prefix_reused_tokens": self.reused_tokens,
+                "prefix_cache": {
+                    "sequences": len(self.cache.entries),
+                    "bytes": self.cache.nbytes(),
+                    "max_bytes": self.cache.max_bytes,
+                },
             }
         )
 
