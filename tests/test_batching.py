@@ -197,3 +197,23 @@ async def test_a_failed_batched_pass_resets_its_sequences(vaults):
                 pass
         again = await engine.compute.run(r.next_logits_batch, seqs)
         assert np.array_equal(again[0], alone[0])
+
+
+async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
+    """The point of batching: per MoE layer, the experts the rows share are asked for (and
+    read) once. The scheduler sees exactly the union of the rows' experts, no more."""
+    vault = vaults("qwen3_moe")  # 8 experts, top-2: four rows overlap
+    async with Engine.open(vault.path, lookahead=False) as engine:
+        r = engine.runner
+        seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts()]
+        routed: list[np.ndarray] = []
+        engine.tracer.on_routing = lambda layer, idx: routed.append(idx)
+        stats = engine.scheduler.stats
+        asked0 = stats.hits + stats.misses
+        await engine.compute.run(r.step_batch, seqs)
+        asked = stats.hits + stats.misses - asked0
+        engine.tracer.on_routing = None
+    assert all(idx.shape[0] == len(seqs) for idx in routed)  # one call per layer, B rows
+    unions = [len(np.unique(idx)) for idx in routed]
+    per_row = [sum(len(set(row)) for row in idx) for idx in routed]
+    assert asked == sum(unions) < sum(per_row)
