@@ -321,6 +321,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
+        "device": args.device,
         "policy": args.policy,
         "spec": args.spec,
         "lookahead": args.lookahead,
@@ -345,6 +346,12 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
     )
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="compute device (default: MLX's, the GPU where there is one)",
+    )
     p.add_argument(
         "--policy",
         default="lfu",

@@ -97,6 +97,7 @@ class EngineOptions:
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
     max_batch: int = 8  # generations decoded together (1: one at a time)
+    device: str | None = None  # "cpu" or "gpu"; None: MLX's default
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,6 +126,7 @@ class Engine:
         m = self.vault.manifest
         top_k = int(m.topology["experts_per_token"])
         o = self.options
+        self._device = self._choose_device()
         if o.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
         if o.max_batch < 1:
@@ -190,6 +192,25 @@ class Engine:
         self._opened = True
         return self
 
+    def _choose_device(self) -> Any:
+        """The MLX device to compute on (``options.device``), made the default here and on
+        the compute thread. SmoeError if this MLX build lacks it."""
+        import mlx.core as mx
+
+        name = self.options.device
+        if name is None:
+            return mx.default_device()
+        if name not in ("cpu", "gpu"):
+            raise SmoeError(f"device must be cpu or gpu, not {name!r}")
+        device = getattr(mx, name)
+        if not mx.is_available(device):
+            raise SmoeError(
+                f"this MLX build has no {name} backend; install mlx[cuda] (NVIDIA) or use "
+                "macOS (Metal) for a GPU, or leave the device out"
+            )
+        mx.set_default_device(device)
+        return device
+
     def _device_slot_cap(self) -> int | None:
         """The most slots MLX's GPU kernels can address: they index an array with 32-bit
         element offsets, so a ring view must span fewer than 2^31 elements of its
@@ -225,7 +246,7 @@ class Engine:
             raise SmoeError(
                 f"streaming experts on a CUDA GPU is not supported yet (a ring of {slots} of "
                 f"{m.num_records} experts; see docs/serve.md, 'GPU'): use a budget that holds "
-                f"every expert (--memory {-(-need // 10**6)}MB) or MLX's CPU backend (mlx[cpu])"
+                f"every expert (--memory {-(-need // 10**6)}MB) or compute on the CPU (--device cpu)"
             )
 
     def _auto_slots(self) -> int:
@@ -239,9 +260,12 @@ class Engine:
         return max(0, spare) // m.record.stride
 
     def _build(self) -> Runner:
+        import mlx.core as mx
+
         from smoe.compute.model import build_model
         from smoe.compute.rowwise import install_rowwise_attention
 
+        mx.set_default_device(self._device)  # the compute thread's MLX work
         model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
         return Runner(

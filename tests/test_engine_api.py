@@ -295,3 +295,23 @@ async def test_streaming_on_cuda_is_refused_with_the_way_out(vault, monkeypatch)
     engine._check_cuda_streaming(every)  # every expert resident: allowed
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple: allowed
     engine._check_cuda_streaming(4)
+
+
+@pytest.mark.asyncio
+async def test_device_option(vault):
+    """--device cpu computes on the CPU (also where a GPU is the default); a device this
+    MLX build lacks, or a name that is none, is a one-line error before any work."""
+    import mlx.core as mx
+
+    from smoe.errors import SmoeError
+
+    async with Engine.open(vault.path, device="cpu") as engine:
+        assert mx.default_device() == mx.cpu
+        assert (await engine.logits([5, 6, 7])).shape[0] == 3
+    for bad, needle in (("tpu", "cpu or gpu"), ("gpu", "no gpu backend")):
+        if bad == "gpu" and mx.is_available(mx.gpu):
+            continue
+        engine = Engine.open(vault.path, device=bad)
+        with pytest.raises(SmoeError, match=needle):
+            await engine.__aenter__()
+        await engine.aclose()
