@@ -21,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from smoe.errors import SmoeError
+
+log = logging.getLogger("smoe.batcher")
 
 
 @dataclass
@@ -134,7 +137,7 @@ class Batcher:
         self.waiting.append(ticket)
         self._idle.clear()
         self._wake.set()
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="smoe-batcher")
         return ticket
 
@@ -166,7 +169,10 @@ class Batcher:
             if not self.waiting and not self.active:
                 self._idle.set()
                 if self.on_idle is not None:
-                    self.on_idle()
+                    try:
+                        self.on_idle()
+                    except Exception:  # an optional nicety: never the loop's end
+                        log.exception("on_idle failed")
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -201,3 +201,15 @@ async def test_shared_step_bytes_are_split_among_rows():
     await asyncio.gather(*(drain(t) for t in ts))
     for t in ts:  # step 1 counts for the time to first token, step 2 for decode
         assert t.prefill.bytes_read == 300 and t.decode.bytes_read == 300
+
+
+async def test_a_failing_on_idle_does_not_stop_the_batcher():
+    runner, compute = FakeRunner(), GatedCompute()
+
+    def broken() -> None:
+        raise RuntimeError("prewarm failed")
+
+    batcher = Batcher(compute, runner, asyncio.Lock(), Meter, on_idle=broken)
+    assert (await drain(batcher.submit(ticket("a", 0, 1))))[-1] == ("end", "length")
+    await batcher.wait_idle()  # on_idle has raised by now
+    assert (await drain(batcher.submit(ticket("b", 0, 1))))[-1] == ("end", "length")
