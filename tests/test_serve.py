@@ -339,3 +339,47 @@ async def test_prefix_cache_keeps_a_bounded_number_of_bytes(vault):
             cache.put(s)
         assert cache.entries == [seqs[2], seqs[1]] and cache.nbytes() == 2 * one
         assert PrefixCache(capacity=8, max_bytes=0).put(seqs[0]) is None  # 0: keeps none
+
+
+async def test_many_clients_some_leaving_early_leave_nothing_behind(vault):
+    """Twelve concurrent clients through a batch of 4 and a queue: some stream, some stop
+    on a string, some disconnect mid-stream. Afterwards nothing is active, queued or
+    pinned, and every client that stayed got its solo reply."""
+    prompts = [[5 + i, 9, 11 + 2 * i] for i in range(12)]
+    async with (
+        Engine.open(vault.path, max_batch=1) as engine,
+        Running(engine, ServerOptions()) as srv,
+    ):
+        c = srv.client()
+        solo = [
+            (await c.completions.create(model="smoe", prompt=p, max_tokens=12, temperature=0))
+            .choices[0]
+            .text
+            for p in prompts
+        ]
+    async with (
+        Engine.open(vault.path, max_batch=4, slots=6) as engine,
+        Running(engine, ServerOptions(max_queue=32)) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def client(i: int) -> str | None:
+            body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0}
+            if i % 3 == 2:  # leaves after its first event
+                async with http.post(
+                    srv.base + "/v1/completions", json={**body, "stream": True}
+                ) as r:
+                    await r.content.readline()
+                return None
+            r = await srv.client().completions.create(model="smoe", stream=i % 3 == 1, **body)
+            if i % 3 == 1:
+                return "".join([ch.choices[0].text async for ch in r if ch.choices])
+            return r.choices[0].text
+
+        got = await asyncio.gather(*(client(i) for i in range(12)))
+        await asyncio.wait_for(engine.batcher.wait_idle(), timeout=30)
+        assert not engine.batcher.active and engine.batcher.queued == 0
+        assert all(s.pins == 0 for s in engine.scheduler._slots)
+        for i, text in enumerate(got):
+            if text is not None:
+                assert text == solo[i], i
