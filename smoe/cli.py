@@ -322,6 +322,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
         "device": args.device,
+        "ring": args.ring,
         "policy": args.policy,
         "spec": args.spec,
         "lookahead": args.lookahead,
@@ -351,6 +352,14 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         choices=("cpu", "gpu"),
         default=None,
         help="compute device (default: MLX's, the GPU where there is one)",
+    )
+    p.add_argument(
+        "--ring",
+        choices=("auto", "unified", "staged"),
+        default="auto",
+        help="where reads land: unified (in the slots: CPU, Apple) or staged (host landing "
+        "buffers copied into device arrays in the compute dtype: CUDA GPUs, and vaults whose "
+        "scales are not in the compute dtype); auto picks (docs/gpu.md)",
     )
     p.add_argument(
         "--policy",

@@ -27,15 +27,20 @@ from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
-from smoe.io.ring import Ring
+from smoe.io.ring import GPU_MAX_ELEMENTS, ExpertRing, slots_for_budget
+from smoe.io.staged import StagedRing
+from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
-from smoe.units import parse_size
-from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, Vault
+from smoe.vault.format import RecordLayout, Vault
 
 if TYPE_CHECKING:
     from smoe.conversation import Conversation
+
+
+def _float_dtypes(layout: RecordLayout) -> str:
+    return ", ".join(sorted({c.dtype for c in layout.components if "float" in c.dtype}))
 
 
 def available_memory() -> int | None:
@@ -98,6 +103,8 @@ class EngineOptions:
     direct_io: bool = True
     max_batch: int = 8  # generations decoded together (1: one at a time)
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
+    ring: str = "auto"  # "unified", "staged" or "auto" (see Engine._ring_kind)
+    bank_elements: int | None = None  # staged ring: elements per array (None: the device's)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,55 +131,45 @@ class Engine:
         import mlx.core as mx
 
         m = self.vault.manifest
-        top_k = int(m.topology["experts_per_token"])
         o = self.options
         self._device = self._choose_device()
         if o.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
         if o.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
-        cap = self._device_slot_cap()
-        if o.slots is not None:
-            if o.slots < top_k:
-                raise SmoeError(
-                    f"slots={o.slots} is below one token's top-{top_k}; use {top_k} or more"
-                )
-            self._check_device_cap(o.slots, cap)
-            self.ring = Ring(m.record, o.slots)
-        elif o.memory is not None:
-            self._check_device_cap(min(parse_size(o.memory) // m.record.stride, m.num_records), cap)
-            self.ring = Ring.for_budget(
-                m.record,
-                o.memory,
-                min_slots=top_k,
-                max_slots=m.num_records,
-                reason=f"one layer's top-{top_k}",
-            )
-        else:
-            auto = min(m.num_records, self._auto_slots(), cap or m.num_records)
-            self.ring = Ring(m.record, max(top_k, auto))
-        self._check_cuda_streaming(self.ring.num_slots)
-        self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
-        self.popularity = Popularity(self.vault)
-        self.tracer.popularity = self.popularity
-        policy: Any = o.policy
-        if o.policy == "hot":  # pin the historically hottest half of the ring
-            policy = PinnedHot.from_counts(self.popularity.as_mapping(), self.ring.num_slots // 2)
-        self.scheduler = ExpertScheduler(
-            self.ring.num_slots,
-            self.reader,
-            record_of=lambda k: m.record_index(*k),
-            record_bytes=m.record.stride,
-            workers=o.workers,
-            policy=policy,
-        )
-        self.slots = LoopSlots(self.scheduler, asyncio.get_running_loop())
-        self.compute = ComputeThread()
-        name = o.dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+        if o.workers < 1:
+            raise SmoeError("workers must be at least 1")
+        name = o.dtype or ("bfloat16" if self._device == mx.gpu else "float32")
         if name not in ("float32", "bfloat16", "float16"):
             raise SmoeError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
         self.dtype = getattr(mx, name)
+        kind = self._ring_kind()
+        slots = self._ring_slots(kind)
+        self.compute = ComputeThread()
         try:
+            self.ring = await self.compute.run(self._make_ring, kind, slots)
+            self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
+            self.popularity = Popularity(self.vault)
+            self.tracer.popularity = self.popularity
+            policy: Any = o.policy
+            if o.policy == "hot":  # pin the historically hottest half of the ring
+                policy = PinnedHot.from_counts(
+                    self.popularity.as_mapping(), self.ring.num_slots // 2
+                )
+            self.scheduler = ExpertScheduler(
+                self.ring.num_slots,
+                self.reader,
+                record_of=lambda k: m.record_index(*k),
+                record_bytes=m.record.stride,
+                workers=o.workers,
+                runway=o.workers,  # each worker finds its next read queued (docs/architecture.md)
+                policy=policy,
+            )
+            loop = asyncio.get_running_loop()
+            self.slots = LoopSlots(self.scheduler, loop, self.ring)
+            self._commit_queued = False
+            if self.ring.kind == "staged":
+                self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
             self.runner = await self.compute.run(self._build)
             self.tokenizer = await self.compute.run(self._load_tokenizer)
         except BaseException:
@@ -211,53 +208,136 @@ class Engine:
         mx.set_default_device(device)
         return device
 
-    def _device_slot_cap(self) -> int | None:
-        """The most slots MLX's GPU kernels can address: they index an array with 32-bit
-        element offsets, so a ring view must span fewer than 2^31 elements of its
-        narrowest component (measured on CUDA: a 7.25 GB bf16 ring faulted). None on CPU,
-        whose kernels use 64-bit offsets (tests/test_io.py)."""
+    def _discrete_gpu(self) -> bool:
+        """A GPU with memory of its own (CUDA), as opposed to Apple's unified memory."""
         import mlx.core as mx
 
-        if mx.default_device() != mx.gpu:
-            return None
-        record = self.vault.manifest.record
-        narrowest = min(ITEMSIZE[c.dtype] for c in record.components)
-        return ((2**31 - 1) * narrowest - RECORD_ALIGN) // record.stride
+        return bool(self._device == mx.gpu and not mx.metal.is_available())
 
-    def _check_device_cap(self, slots: int, cap: int | None) -> None:
-        if cap is not None and slots > cap:
-            stride = self.vault.manifest.record.stride
+    def _ring_kind(self) -> str:
+        """``options.ring``, or for "auto": staged on a discrete GPU or when the vault's
+        float components are not in the compute dtype, else unified (reads land in place)."""
+        from smoe.io.ring import needs_conversion
+
+        kind = self.options.ring
+        layout = self.vault.manifest.record
+        if kind not in ("auto", "unified", "staged"):
+            raise SmoeError(f"ring must be auto, unified or staged, not {kind!r}")
+        convert = needs_conversion(layout, self.dtype)
+        if kind == "unified" and self._discrete_gpu():
             raise SmoeError(
-                f"a ring of {slots} slots is too large for MLX's GPU kernels (32-bit offsets: "
-                f"at most {cap} slots of this vault); use --memory {cap * stride // 10**6}MB "
-                "or less"
+                "a unified ring cannot be used on a CUDA GPU (its kernels do not see slots "
+                "rewritten through host memory): use --ring staged, or leave --ring out"
             )
+        if kind == "unified" and convert:
+            raise SmoeError(
+                f"the vault's float components ({_float_dtypes(layout)}) are not in the compute "
+                f"dtype ({self.dtype}), so a unified ring would convert the whole ring on every "
+                "call: use --ring staged (the default), or convert the vault with --dtype "
+                f"{str(self.dtype).split('.')[-1]}"
+            )
+        if kind == "auto":
+            return "staged" if self._discrete_gpu() or convert else "unified"
+        return kind
 
-    def _check_cuda_streaming(self, slots: int) -> None:
-        """Refuse to stream on CUDA. There the I/O threads' rewrites of a ring slot are not
-        reliably seen by MLX's kernels (measured on an H200, MLX 0.32.4: logits off by
-        up to 12 once slots are reused, while a ring holding every expert, never rewritten,
-        is right). The CPU is exact (tests/); Apple's unified memory is not tested here."""
+    def _slot_bytes(self, kind: str) -> int:
+        layout = self.vault.manifest.record
+        if kind == "staged":
+            return StagedRing.slot_bytes(layout, self.dtype)
+        return UnifiedRing.slot_bytes(layout)
+
+    def _ring_slots(self, kind: str) -> int:
+        """How many slots: ``slots``, else what ``memory`` holds, else the default budget
+        (every expert if it fits, else what does: ``_default_budget``)."""
+        m = self.vault.manifest
+        o = self.options
+        top_k = int(m.topology["experts_per_token"])
+        if o.slots is not None:
+            if o.slots < top_k:
+                raise SmoeError(
+                    f"slots={o.slots} is below one token's top-{top_k}; use {top_k} or more"
+                )
+            return int(o.slots)
+        budget = o.memory if o.memory is not None else self._default_budget(kind)
+        return slots_for_budget(
+            budget,
+            self._slot_bytes(kind),
+            min_slots=top_k,
+            max_slots=m.num_records,
+            reason=f"one layer's top-{top_k}",
+        )
+
+    def _default_budget(self, kind: str) -> int:
+        """Without --memory. On a discrete GPU: its free memory, less the backbone, room
+        for the KV caches and a 10% margin. Elsewhere: half the available memory beside
+        the backbone. Every expert when that holds them; never below one layer's top-k
+        (the budget then fails with the minimum it needs)."""
         import mlx.core as mx
 
         m = self.vault.manifest
-        if mx.default_device() == mx.gpu and not mx.metal.is_available() and slots < m.num_records:
-            need = m.num_records * m.record.stride
-            raise SmoeError(
-                f"streaming experts on a CUDA GPU is not supported yet (a ring of {slots} of "
-                f"{m.num_records} experts; see docs/serve.md, 'GPU'): use a budget that holds "
-                f"every expert (--memory {-(-need // 10**6)}MB) or compute on the CPU (--device cpu)"
-            )
+        backbone = self.vault.backbone_path.stat().st_size
+        top_k = int(m.topology["experts_per_token"])
+        floor = top_k * self._slot_bytes(kind)
+        if self._discrete_gpu():
+            free = int(mx.device_info(mx.gpu).get("free_memory", 0))
+            spare = int(free * 0.9) - backbone - self._kv_room(free)
+        else:
+            available = available_memory()
+            if available is None:
+                return m.num_records * self._slot_bytes(kind)
+            spare = available // 2 - backbone
+        return max(spare, floor)
 
-    def _auto_slots(self) -> int:
-        """Without a budget: every expert if that fits in half of the memory available
-        beside the backbone, else as many as do (never an out-of-memory by default)."""
-        m = self.vault.manifest
-        available = available_memory()
-        if available is None:
-            return m.num_records
-        spare = available // 2 - self.vault.backbone_path.stat().st_size
-        return max(0, spare) // m.record.stride
+    def _kv_room(self, free: int) -> int:
+        """Bytes kept free for KV caches: ``max_batch`` sequences of the model's context
+        (or ``max_context``), at most a quarter of ``free``."""
+        config = self.vault.config()
+        o = self.options
+        context = min(o.max_context or 1 << 30, config.get("max_position_embeddings") or 4096)
+        layers = int(config.get("num_hidden_layers", 1))
+        kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads", 1))
+        head_dim = int(
+            config.get("head_dim")
+            or config.get("hidden_size", 0) // max(1, int(config.get("num_attention_heads", 1)))
+        )
+        per_token = 2 * layers * kv_heads * head_dim * self.dtype.size
+        return min(o.max_batch * context * per_token, free // 4)
+
+    def _make_ring(self, kind: str, slots: int) -> ExpertRing:
+        """The ring (on the compute thread: its arrays belong to that thread's device)."""
+        import mlx.core as mx
+
+        mx.set_default_device(self._device)
+        layout = self.vault.manifest.record
+        if kind == "unified":
+            return UnifiedRing(layout, slots)
+        cap = self.options.bank_elements
+        if cap is None and self._device == mx.gpu:
+            cap = GPU_MAX_ELEMENTS
+        return StagedRing(
+            layout,
+            slots,
+            self.dtype,
+            landings=2 * self.options.workers,
+            max_bank_elements=cap,
+            bounce=self._discrete_gpu(),  # O_DIRECT must not target CUDA managed memory
+        )
+
+    def _commit_soon(self) -> None:
+        """A record landed: have the compute thread commit it, even when idle (once queued,
+        a commit job takes every landing that arrives before it runs)."""
+        if self._commit_queued or not hasattr(self, "compute"):
+            return
+        self._commit_queued = True
+
+        def job() -> None:
+            self._commit_queued = False
+            self.ring.commit()
+
+        try:
+            self.compute.submit(job)
+        except RuntimeError:  # the compute thread is shutting down
+            self._commit_queued = False
 
     def _build(self) -> Runner:
         import mlx.core as mx
@@ -293,6 +373,8 @@ class Engine:
             await self.batcher.close()
         if hasattr(self, "compute"):
             await self.compute.close()
+        if hasattr(self, "ring"):
+            self.ring.close()  # a read waiting for a landing buffer gives up
         if hasattr(self, "scheduler"):
             await self.scheduler.close()
         if hasattr(self, "reader"):

@@ -27,7 +27,7 @@ class ControlledBackend:
     writing: set[int] = field(default_factory=set)  # slots a read is writing into now
     auto: bool = False  # complete reads as soon as they start
 
-    async def read(self, record: int, slot: int) -> int:
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
         assert slot not in self.writing, f"two reads into slot {slot} at once"
         assert record not in self.pending, f"record {record} read twice at once"
         self.started.append((record, slot))

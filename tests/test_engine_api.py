@@ -255,49 +255,6 @@ async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch)
 
 
 @pytest.mark.asyncio
-async def test_a_gpu_ring_is_capped_at_32_bit_offsets(vault, monkeypatch):
-    """On a GPU the ring may not span 2^31 elements of its narrowest component (MLX's
-    kernels there use 32-bit offsets): an explicit budget beyond that is refused, naming
-    the largest that works; the default budget is capped instead."""
-    import mlx.core as mx
-
-    from smoe.errors import SmoeError
-
-    engine = Engine.open(vault.path, slots=10)
-    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    record = engine.vault.manifest.record
-    narrowest = min(
-        {"uint32": 4, "float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}[c.dtype]
-        for c in record.components
-    )
-    cap = engine._device_slot_cap()
-    assert cap * record.stride < 2**31 * narrowest <= (cap + 2) * record.stride
-    with pytest.raises(SmoeError, match="32-bit offsets.*--memory"):
-        engine._check_device_cap(cap + 1, cap)
-    engine._check_device_cap(cap, cap)
-
-
-@pytest.mark.asyncio
-async def test_streaming_on_cuda_is_refused_with_the_way_out(vault, monkeypatch):
-    """On CUDA, slot rewrites are not seen reliably by MLX's kernels (docs/serve.md):
-    a ring smaller than the model is refused, naming the budget that holds every expert."""
-    import mlx.core as mx
-
-    from smoe.errors import SmoeError
-
-    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
-    engine = Engine.open(vault.path, slots=4)
-    with pytest.raises(SmoeError, match="CUDA.*--memory .*MB"):
-        await engine.__aenter__()
-    await engine.aclose()
-    every = engine.vault.manifest.num_records
-    engine._check_cuda_streaming(every)  # every expert resident: allowed
-    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple: allowed
-    engine._check_cuda_streaming(4)
-
-
-@pytest.mark.asyncio
 async def test_device_option(vault):
     """--device cpu computes on the CPU (also where a GPU is the default); a device this
     MLX build lacks, or a name that is none, is a one-line error before any work."""

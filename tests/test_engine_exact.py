@@ -230,7 +230,7 @@ class ShuffledReads:
         self.started: list[int] = []
         self.finished: list[int] = []
 
-    async def read(self, record: int, slot: int) -> int:
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
         self.log.append(("read", record))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -241,7 +241,7 @@ class ShuffledReads:
                 await asyncio.sleep(0)
             if self.rng.random() < 0.5:  # a slow read: longer than computing a layer
                 await asyncio.sleep(self.rng.uniform(0, 0.004))
-            nbytes = await self.inner.read(record, slot)
+            nbytes = await self.inner.read(record, slot, priority)
             for _ in range(self.rng.randint(0, 30)):
                 await asyncio.sleep(0)
             return nbytes
@@ -419,9 +419,9 @@ class RecordingReads:
         self.inner = inner
         self.log = log
 
-    async def read(self, record: int, slot: int) -> int:
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
         self.log.append(("read", record))
-        return await self.inner.read(record, slot)
+        return await self.inner.read(record, slot, priority)
 
 
 async def logged_logits(vault: Vault, prompt: list[int], **options):

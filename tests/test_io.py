@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from smoe.errors import SmoeError
-from smoe.io import BufferedIOWarning, DirectReader, Ring, VaultReadError, open_direct
-from smoe.io.ring import _suggest
+from smoe.io import BufferedIOWarning, DirectReader, VaultReadError, open_direct
+from smoe.io import UnifiedRing as Ring
+from smoe.io.ring import slots_for_budget, suggest_size
 from smoe.units import parse_size
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
@@ -133,20 +134,21 @@ def test_ring_allocates_its_size_once_and_views_allocate_nothing(q4):
     assert mx.get_active_memory() - before <= -size  # freed with the ring
 
 
-def test_for_budget_sizes_the_ring_and_names_the_minimum():
+def test_budgets_size_the_ring_and_name_the_minimum():
     layout = RecordLayout.build([("w", "uint8", (RECORD_ALIGN * 3,))])
-    assert Ring.for_budget(layout, "200KB", 2).num_slots == 200_000 // (3 * RECORD_ALIGN)
-    assert Ring.for_budget(layout, 10**6, 2, max_slots=3).num_slots == 3
+    stride = layout.stride
+    assert slots_for_budget("200KB", stride, 2) == 200_000 // (3 * RECORD_ALIGN)
+    assert slots_for_budget(10**6, stride, 2, max_slots=3) == 3
 
     big = RecordLayout.build([("w", "uint8", (648 * RECORD_ALIGN,))])  # stride 10.62 MB
     with pytest.raises(SmoeError) as e:
-        Ring.for_budget(big, "50MB", 8, reason="one layer's top-8")
+        slots_for_budget("50MB", big.stride, 8, reason="one layer's top-8")
     assert str(e.value) == (
         "a memory budget of 50MB holds 4 expert slots of 10.62 MB; one layer's top-8 needs "
         "at least 8 slots = 84.93 MB: use --memory 85MB or more"
     )
     with pytest.raises(SmoeError, match="budget of 1.00 KB holds 0 expert slots"):
-        Ring.for_budget(big, 1000, 1)
+        slots_for_budget(1000, big.stride, 1)
     rng = random.Random(0)
     for n in [
         1,
@@ -158,7 +160,7 @@ def test_for_budget_sizes_the_ring_and_names_the_minimum():
         1_234_567_890,
         *(rng.randrange(10**13) for _ in range(200)),
     ]:
-        s = _suggest(n)
+        s = suggest_size(n)
         assert n <= parse_size(s) <= n * 1.1 + 1000, (n, s)
 
 

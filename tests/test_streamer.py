@@ -8,7 +8,8 @@ import random
 import mlx.core as mx
 import pytest
 
-from smoe.io import DirectReader, Ring
+from smoe.io import DirectReader
+from smoe.io import UnifiedRing as Ring
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer

@@ -28,7 +28,7 @@ import numpy as np
 
 from smoe.io.direct import DirectReader, open_direct
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import Ring
+from smoe.io.unified import UnifiedRing as Ring
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 

@@ -19,10 +19,10 @@ from smoe.compute.streaming import (
     SlotSource,
     StreamingExperts,
     Tracer,
-    ring_module,
+    ring_modules,
 )
 from smoe.errors import VaultError
-from smoe.io.ring import Ring
+from smoe.io.ring import ExpertRing
 from smoe.topology import model_classes
 from smoe.vault.format import Vault
 
@@ -81,15 +81,18 @@ def _tap_router(block: Any, layer: int, num_experts: int, tracer: Tracer) -> Non
 
 def build_model(
     vault: Vault,
-    ring: Ring,
+    ring: ExpertRing,
     source: SlotSource,
     compute_dtype: mx.Dtype,
     tracer: Tracer | None = None,
+    overlap: bool | None = None,
 ) -> nn.Module:
     """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
 
     Float backbone weights are cast to ``compute_dtype``; quantized ones keep their packing.
-    Ring views keep the vault's dtypes (convert with --dtype float32 for CPU speed).
+    The experts compute on the ring's arrays (in the compute dtype on a staged ring; in the
+    vault's dtypes on a unified one, which the engine only uses when they agree).
+    ``overlap``: compute each expert as its read completes (default: on the CPU only).
     Raises VaultError if the backbone lacks or has extra tensors.
     """
     config = vault.config()
@@ -98,13 +101,16 @@ def build_model(
     weights = dict(mx.load(str(vault.backbone_path)))
     _quantize_like_mlx_lm(model, config, weights)
 
-    views = ring.views()
+    banks = ring.banks()
     num_experts = vault.manifest.num_experts
-    overlap = mx.default_device() != mx.gpu  # see StreamingExperts.overlap
+    if overlap is None:
+        overlap = mx.default_device() != mx.gpu  # see StreamingExperts.overlap
     for spec in vault.manifest.layers:
         parent, attr = _resolve(model, spec.module)
-        inner = ring_module(getattr(parent, attr), views)
-        streaming = StreamingExperts(inner, spec.layer, num_experts, source, tracer, overlap)
+        inners = ring_modules(getattr(parent, attr), banks)
+        streaming = StreamingExperts(
+            inners, ring.locate, spec.layer, num_experts, source, tracer, overlap
+        )
         setattr(parent, attr, streaming)
 
     expected = {k for k, _ in tree_flatten(model.parameters())}

@@ -9,6 +9,7 @@ ids. The block then combines the outputs exactly as it would in memory.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -124,15 +125,17 @@ def gate_ranking(gates: np.ndarray, used: np.ndarray, depth: int) -> np.ndarray:
 
 
 class StreamingExperts(nn.Module):
-    """Drop-in for a SwitchGLU/SwitchMLP whose stacked parameters are ring views [S, ...].
+    """Drop-in for a SwitchGLU/SwitchMLP whose stacked parameters are ring arrays [S_b, ...].
 
-    ``inner`` is mlx-lm's own module (quantized like the vault) with every parameter
-    replaced by the ring's view of that component, so it computes on slots in place.
+    ``inners[b]`` is mlx-lm's own module (quantized like the vault) with every parameter
+    replaced by bank b's array of that component, so it computes on slots in place;
+    ``locate(slot)`` gives a slot's (bank, slot in bank). One bank is the common case.
     """
 
     def __init__(
         self,
-        inner: nn.Module,
+        inners: list[nn.Module],
+        locate: Callable[[int], tuple[int, int]],
         layer: int,
         num_experts: int,
         source: SlotSource,
@@ -144,8 +147,9 @@ class StreamingExperts(nn.Module):
         # compute rows independently of the call's shape (the CPU); on a GPU the layer
         # runs as one call once all its experts are READY, as mlx-lm calls it.
         self.overlap = overlap
-        # Kept out of the parameter tree: these are views of the ring, not model weights.
-        object.__setattr__(self, "_inner", inner)
+        # Kept out of the parameter tree: these are the ring's arrays, not model weights.
+        object.__setattr__(self, "_inners", inners)
+        object.__setattr__(self, "_locate", locate)
         object.__setattr__(self, "_source", source)
         object.__setattr__(self, "_tracer", tracer)
         self.layer = layer
@@ -256,11 +260,7 @@ class StreamingExperts(nn.Module):
         try:
             if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots), resident
-            # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
-            k = idx.shape[-1]
-            flat_idx = idx.reshape(-1, k)
-            flat_x = x.reshape(-1, x.shape[-1])
-            out: mx.array | None = None
+            parts = _Parts(x, idx)
             pending = list(range(len(experts)))
             ready = [i for i in pending if lease.ready[i]]
             while pending:
@@ -268,32 +268,36 @@ class StreamingExperts(nn.Module):
                     ready = lease.wait_any(pending)
                 pending = [i for i in pending if i not in ready]
                 part = [experts[i] for i in ready]
-                rows, ranks = np.nonzero(np.isin(flat_idx, part))
-                y = self._compute(
-                    flat_x[mx.array(rows)],
-                    flat_idx[rows, ranks][:, None],
-                    part,
-                    [lease.slots[i] for i in ready],
-                )  # [P, 1, D]
-                if out is None:
-                    out = mx.zeros((flat_idx.shape[0], k, y.shape[-1]), dtype=y.dtype)
-                out[mx.array(rows), mx.array(ranks)] = y[:, 0]
-                mx.eval(out)
+                slots = [lease.slots[i] for i in ready]
+                parts.add(part, lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s))
                 ready = []
-            assert out is not None
-            return out.reshape(*idx.shape, out.shape[-1]), resident
+            return parts.result(), resident
         finally:
             self._source.release(lease.slots)
 
     def _compute(
         self, x: mx.array, idx: np.ndarray, experts: list[int], slots: list[int]
     ) -> mx.array:
-        """mlx-lm's expert computation on ring slots; evaluated before returning."""
-        table = np.zeros(self.num_experts, dtype=np.uint32)
-        table[experts] = slots
-        y = self._inner(x, mx.array(table[idx]))
-        mx.eval(y)  # the matmuls must be done reading the slots before they are released
-        return y
+        """mlx-lm's expert computation on ring slots; evaluated before returning.
+
+        x: [..., D]; idx: [..., k] expert ids, each in ``experts``, whose slots are
+        ``slots``. One call when the slots share a bank (as mlx-lm's call, ids remapped
+        to slots); else each (token, rank) pair is computed in its expert's bank."""
+        located = [self._locate(s) for s in slots]
+        banks = sorted({b for b, _ in located})
+        if len(banks) == 1:
+            table = np.zeros(self.num_experts, dtype=np.uint32)
+            table[experts] = [local for _, local in located]
+            y = self._inners[banks[0]](x, mx.array(table[idx]))
+            mx.eval(y)  # the matmuls must be done reading the slots before they are released
+            return y
+        parts = _Parts(x, idx)
+        for bank in banks:
+            mine = [i for i, (b, _) in enumerate(located) if b == bank]
+            part = [experts[i] for i in mine]
+            slots_b = [slots[i] for i in mine]
+            parts.add(part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s))
+        return parts.result()
 
     def _run_in_waves(
         self, x: mx.array, idx: np.ndarray, experts: list[int], capacity: int
@@ -304,38 +308,69 @@ class StreamingExperts(nn.Module):
         per pair; the outputs are put back at their (token, rank) position, so the block's
         rank-order combination, and the total work, are those of a single pass.
         """
-        # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs in a wave
-        k = idx.shape[-1]
-        flat_idx = idx.reshape(-1, k)  # [N, k]
-        flat_x = x.reshape(-1, x.shape[-1])  # [N, D]
-        out: mx.array | None = None
+        parts = _Parts(x, idx)
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            rows, ranks = np.nonzero(np.isin(flat_idx, wave))  # [P], [P]
-            pair_x = flat_x[mx.array(rows)]  # [P, D]
-            y = self._run(pair_x, flat_idx[rows, ranks][:, None], wave)  # [P, 1, D]
-            if out is None:
-                out = mx.zeros((flat_idx.shape[0], k, y.shape[-1]), dtype=y.dtype)
-            out[mx.array(rows), mx.array(ranks)] = y[:, 0]
-            mx.eval(out)
+            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w))
             waves += 1
-        assert out is not None
-        return out.reshape(*idx.shape, out.shape[-1]), waves
+        return parts.result(), waves
 
 
-def ring_module(original: nn.Module, views: dict[str, Any]) -> nn.Module:
-    """``original`` (a SwitchGLU/SwitchMLP, quantized as the vault is) with each stacked
-    parameter replaced by the ring view of the same component name."""
+class _Parts:
+    """Assembles a MoE call's output [..., k, D] from parts computed separately, each on
+    the (token, rank) pairs routed to some of the experts, one row per pair. Each pair's
+    row is put back at its (token, rank) position, so the block's rank-order combination
+    is the single call's."""
+
+    def __init__(self, x: mx.array, idx: np.ndarray) -> None:
+        # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
+        self.shape = idx.shape
+        self.k = idx.shape[-1]
+        self.flat_idx = idx.reshape(-1, self.k)  # [N, k]
+        self.flat_x = x.reshape(-1, x.shape[-1])  # [N, D]
+        self.out: mx.array | None = None
+
+    def add(self, experts: list[int], compute: Callable[[mx.array, np.ndarray], mx.array]) -> None:
+        """``compute(x [P, D], idx [P, 1])`` -> [P, 1, D] for the pairs routed to ``experts``."""
+        rows, ranks = np.nonzero(np.isin(self.flat_idx, experts))  # [P], [P]
+        y = compute(self.flat_x[mx.array(rows)], self.flat_idx[rows, ranks][:, None])
+        if self.out is None:
+            self.out = mx.zeros((self.flat_idx.shape[0], self.k, y.shape[-1]), dtype=y.dtype)
+        self.out[mx.array(rows), mx.array(ranks)] = y[:, 0]
+        mx.eval(self.out)
+
+    def result(self) -> mx.array:
+        assert self.out is not None
+        return self.out.reshape(*self.shape, self.out.shape[-1])
+
+
+def ring_modules(original: nn.Module, banks: list[dict[str, Any]]) -> list[nn.Module]:
+    """One copy of ``original`` (a SwitchGLU/SwitchMLP, quantized as the vault is) per
+    bank, with each stacked parameter replaced by that bank's array of the same component
+    name. The copies share everything else (activation, settings)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     names = {name for name, _ in tree_flatten(original.parameters())}
-    missing = names - set(views)
-    extra = set(views) - names
+    missing = names - set(banks[0])
+    extra = set(banks[0]) - names
     if missing or extra:
         raise ValueError(
-            f"vault record components {sorted(views)} do not match the model's expert "
+            f"vault record components {sorted(banks[0])} do not match the model's expert "
             f"parameters {sorted(names)}"
         )
-    original.update(tree_unflatten(list(views.items())))
-    return original
+    modules = []
+    for i, arrays in enumerate(banks):
+        module = original if i == 0 else _clone(original)
+        module.update(tree_unflatten(list(arrays.items())))
+        modules.append(module)
+    return modules
+
+
+def _clone(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure: child modules copied, arrays shared."""
+    twin = copy.copy(module)
+    for name, child in module.children().items():
+        if isinstance(child, nn.Module):
+            twin[name] = _clone(child)
+    return twin

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from smoe.io.ring import ExpertRing
 from smoe.sched.scheduler import ExpertScheduler, Reservation
 
 T = TypeVar("T")
@@ -45,12 +46,20 @@ class LoopSlots:
     """A SlotSource for the compute thread, backed by the scheduler on ``loop``.
 
     ``acquire`` blocks the compute thread (never the loop) until every slot is READY and
-    measures how long it waited: the time the computation spent waiting on I/O.
+    measures how long it waited: the time the computation spent waiting on I/O. While it
+    waits, and before it returns, the ring commits what has landed (``ExpertRing.block_on``),
+    so a slot handed to the computation always holds its record where the kernels read.
     """
 
-    def __init__(self, scheduler: ExpertScheduler, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        scheduler: ExpertScheduler,
+        loop: asyncio.AbstractEventLoop,
+        ring: ExpertRing | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.loop = loop
+        self.ring = ring
         self.wait_seconds = 0.0
         self.acquires = 0
 
@@ -61,22 +70,16 @@ class LoopSlots:
 
     def reserve(self, layer: int, experts: list[int]) -> Lease:
         """Pin slots and queue the misses; return at once (the reads go on)."""
-        start = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(
-            self.scheduler.reserve(layer, experts, owner=self), self.loop
-        )
-        try:
-            reservation = future.result()
-        finally:
-            self.wait_seconds += time.perf_counter() - start
-            self.acquires += 1
+        self.acquires += 1
+        reservation = self._wait(self.scheduler.reserve(layer, experts, owner=self))
         # A pinned READY slot cannot change, so this snapshot stays true.
         return Lease(self, reservation, reservation.ready())
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         start = time.perf_counter()
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            return self.ring.block_on(future) if self.ring is not None else future.result()
         finally:
             self.wait_seconds += time.perf_counter() - start
 
@@ -106,6 +109,10 @@ class ComputeThread:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue a job without waiting for it (after the jobs already queued)."""
+        return self._pool.submit(fn, *args)
 
     async def close(self) -> None:
         # Wait in another thread: a running job may still need the loop for its slots.

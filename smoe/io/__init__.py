@@ -1,13 +1,19 @@
-"""I/O side of the engine: the ring memory and the direct-I/O read backend."""
+"""I/O side of the engine: the rings (unified and staged) and the direct-I/O read backend."""
 
 from smoe.io.direct import BufferedIOWarning, DirectReader, VaultReadError, open_direct
-from smoe.io.ring import Ring, mx_dtype
+from smoe.io.ring import ExpertRing, mx_dtype, needs_conversion, slots_for_budget
+from smoe.io.staged import StagedRing
+from smoe.io.unified import UnifiedRing
 
 __all__ = [
     "BufferedIOWarning",
     "DirectReader",
-    "Ring",
+    "ExpertRing",
+    "StagedRing",
+    "UnifiedRing",
     "VaultReadError",
     "mx_dtype",
+    "needs_conversion",
     "open_direct",
+    "slots_for_budget",
 ]

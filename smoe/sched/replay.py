@@ -295,7 +295,7 @@ class _InstantBackend:
     def __init__(self, record_bytes: int) -> None:
         self.record_bytes = record_bytes
 
-    async def read(self, record: int, slot: int) -> int:
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
         return self.record_bytes
 
 

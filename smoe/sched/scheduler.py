@@ -6,7 +6,10 @@ no lock is needed. Rules it keeps (tests/test_sched_*.py check each):
 - A pinned slot is never evicted, reassigned, or handed to a read for another record.
 - A LOADING slot is never reassigned until its read has finished, even if cancelled.
 - Workers take every queued DEMAND read before any SPECULATIVE one; a new demand read
-  waits behind at most the reads already in flight.
+  waits behind at most the reads already in flight. With a runway, reads are handed to the
+  backend ahead of time (a worker takes its next read without waiting for the loop); the
+  backend keeps demand first among them, and handed speculative reads never hold demand
+  back.
 - Two requests for one record share one read; a speculative read that becomes demanded
   is promoted (moved to the demand queue, or awaited if already in flight).
 - Speculation only takes EMPTY or unpinned READY slots, never while demand waits for room.
@@ -35,6 +38,7 @@ class Slot:
     pins: int = 0
     priority: Priority = Priority.DEMAND  # of the current load
     started: bool = False  # the read was handed to the backend
+    handed_speculative: bool = False  # handed as a speculative read (the backend queues it so)
     loaded: asyncio.Future[None] | None = None  # done when the current load ends
     enqueued_at: float = 0.0
     speculative: bool = False  # loaded by a bet that no demand has used yet
@@ -114,7 +118,9 @@ class ExpertScheduler:
     """Slot table, eviction, two priority queues and per-slot readiness over a backend.
 
     ``record_of(key)`` maps (layer, expert) to a vault record index; ``record_bytes`` is
-    what one read moves (for statistics). ``workers`` bounds reads in flight.
+    what one read moves (for statistics). ``workers`` bounds reads in flight; ``runway``
+    more are handed to the backend ahead of time, so that a worker that finishes a read
+    finds its next one at once (the backend must take demand before speculation).
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class ExpertScheduler:
         record_of: Callable[[Key], int],
         record_bytes: int,
         workers: int = 4,
+        runway: int = 0,
         policy: str | EvictionPolicy = "lru",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -132,6 +139,8 @@ class ExpertScheduler:
             raise ValueError("the ring needs at least one slot")
         if workers < 1:
             raise ValueError("at least one I/O worker is needed")
+        if runway < 0:
+            raise ValueError("the runway cannot be negative")
         self._slots = [Slot(i) for i in range(num_slots)]
         self._where: dict[Key, Slot] = {}
         self._queues: dict[Priority, deque[Slot]] = {p: deque() for p in Priority}
@@ -139,7 +148,9 @@ class ExpertScheduler:
         self._record_of = record_of
         self._record_bytes = record_bytes
         self._workers = workers
+        self._runway = runway
         self._in_flight = 0
+        self._handed_speculative = 0  # of those in flight, handed as speculative reads
         self._tasks: set[asyncio.Task[None]] = set()
         self._room_waiters: list[asyncio.Future[None]] = []
         self._holdings: dict[object, Counter[int]] = {}  # owner -> pins per slot
@@ -406,14 +417,27 @@ class ExpertScheduler:
             self._queues[Priority.DEMAND].append(slot)
         slot.priority = Priority.DEMAND
 
+    def _limits(self) -> tuple[int, int]:
+        """(most reads in flight for a demand read to be handed, the same for speculation).
+
+        Up to ``runway`` handed reads may wait in the backend's queue; demand may be handed
+        past the speculative ones among them, which the backend runs after it."""
+        spec = self._workers + self._runway
+        return spec + min(self._handed_speculative, self._runway), spec
+
     def _pump(self) -> None:
-        """Hand queued reads to the backend, demand first, up to ``workers`` in flight."""
-        while self._in_flight < self._workers:
-            queue = self._queues[Priority.DEMAND] or self._queues[Priority.SPECULATIVE]
-            if not queue:
+        """Hand queued reads to the backend, demand first, up to the limits in flight."""
+        while True:
+            demand_limit, spec_limit = self._limits()
+            if self._queues[Priority.DEMAND] and self._in_flight < demand_limit:
+                slot = self._queues[Priority.DEMAND].popleft()
+            elif self._queues[Priority.SPECULATIVE] and self._in_flight < spec_limit:
+                slot = self._queues[Priority.SPECULATIVE].popleft()
+            else:
                 return
-            slot = queue.popleft()
             slot.started = True
+            slot.handed_speculative = slot.priority is Priority.SPECULATIVE
+            self._handed_speculative += slot.handed_speculative
             self._in_flight += 1
             task = asyncio.get_running_loop().create_task(self._run_read(slot))
             self._tasks.add(task)
@@ -427,7 +451,7 @@ class ExpertScheduler:
         counters.queue_wait.add(started - slot.enqueued_at)
         record = self._record_of(key)
         try:
-            nbytes = await self._backend.read(record, slot.index)
+            nbytes = await self._backend.read(record, slot.index, int(slot.priority))
         except Exception as e:  # any failure of the read fails its awaiters
             self.stats.io_errors += 1
             del self._where[key]
@@ -447,6 +471,8 @@ class ExpertScheduler:
         finally:
             slot.started = False
             self._in_flight -= 1
+            self._handed_speculative -= slot.handed_speculative
+            slot.handed_speculative = False
             if _loop_running():  # not when the loop is tearing this coroutine down
                 self._pump()
                 if slot.pins == 0:
@@ -520,7 +546,9 @@ class ExpertScheduler:
             if s.state is SlotState.READY:
                 assert s.loaded is not None and s.loaded.done() and s.loaded.exception() is None
         assert set(seen) == set(self._where)
-        assert started == self._in_flight <= self._workers
+        assert started == self._in_flight <= self._limits()[0]
+        handed_spec = sum(s.handed_speculative for s in self._slots)
+        assert handed_spec == self._handed_speculative <= self._in_flight
         pins: Counter[int] = Counter()
         for held in self._holdings.values():
             pins.update(held)

@@ -48,7 +48,9 @@ class ReadBackend(Protocol):
 
     ``read`` returns the number of bytes read, or raises. It must not return or raise while
     its worker may still write into the slot, even when the awaiting task is cancelled: the
-    scheduler reuses the slot as soon as ``read`` finishes.
+    scheduler reuses the slot as soon as ``read`` finishes. ``priority`` is the read's
+    ``Priority`` when it was handed over: a backend that queues reads (a scheduler with a
+    runway hands it more than it has workers) must start DEMAND ones first.
     """
 
-    async def read(self, record: int, slot: int) -> int: ...
+    async def read(self, record: int, slot: int, priority: int = 0) -> int: ...

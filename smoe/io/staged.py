@@ -1,0 +1,290 @@
+"""The staged ring: expert slots in the compute device's memory, filled through host landings.
+
+For a discrete GPU, and wherever the records are not in the compute dtype. The slots are one
+contiguous array per component, ``[S, *shape]`` in the compute dtype (float components
+converted, packed weights as they are): the form the kernels consume, so a matmul over the
+ring never converts or copies it. A read goes:
+
+    disk --preadv (O_DIRECT)--> landing buffer (host) --commit: MLX update--> slot (device)
+
+- Landing buffers are a fixed pool of host MLX arrays (``landings`` of them, one record
+  each), allocated once; an I/O thread takes one, reads into it and hands it over. With
+  ``bounce`` the read goes into a per-thread aligned host buffer first and is copied into
+  the landing: on CUDA, landings are managed memory, which O_DIRECT must not target
+  (docs/gpu.md).
+- The compute thread commits landed records: ``bank[name][local] = landing view`` (cast to
+  the compute dtype) is an in-place ``slice_update`` on the compute stream. Any matmul built
+  afterwards takes the updated array as input, so the device runs the copy first; no
+  synchronisation beyond MLX's own graph is needed. The landing goes back to the pool once
+  the update has been evaluated. Commits happen before every computation on ring slots and
+  whenever the compute thread waits (``block_on``), so a landing is never held for long.
+- In place, really: an update donates the array's buffer when nothing else references it.
+  The ring holds the only Python reference (shared with the expert modules, whose
+  parameters are these same objects), and every computation is evaluated before the next
+  commit, so nothing does (tests/test_staged.py checks MLX's memory counters).
+- Banks: on a GPU MLX's kernels use 32-bit element offsets, so the slots are split into
+  banks whose arrays stay below ``max_bank_elements`` elements; ``locate`` maps a slot id
+  to (bank, slot in bank). A budget is never capped by that limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+from smoe.io.ring import is_float, mx_dtype
+from smoe.units import format_bytes
+from smoe.vault.format import RECORD_ALIGN, Component, RecordLayout
+
+T = TypeVar("T")
+
+
+def target_dtype(c: Component, dtype: Any) -> Any:
+    """The dtype a component is kept in: the compute dtype for floats, else its own."""
+    return dtype if is_float(c.dtype) else mx_dtype(c.dtype)
+
+
+@dataclass(eq=False)
+class _Landing:
+    """One host buffer a record lands in: ``memory`` is its aligned ``stride`` bytes."""
+
+    array: Any  # mx.array [rows, 16 KiB] uint8, evaluated, host memory
+    memory: memoryview
+    start: int  # bytes from the array's start to ``memory``
+
+    def component(self, c: Component, dtype: Any) -> Any:
+        """The landed bytes of component ``c`` as a lazy [*shape] array in ``dtype``."""
+        flat = self.array.reshape(-1)
+        begin = self.start + c.offset
+        a = flat[begin : begin + c.nbytes].view(mx_dtype(c.dtype)).reshape(c.shape)
+        return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _aligned_host(nbytes: int, *, huge: bool) -> tuple[np.ndarray, memoryview]:
+    """A numpy buffer and its 16 KiB-aligned window of ``nbytes`` (huge pages if asked)."""
+    pad = HUGE_PAGE if huge else RECORD_ALIGN
+    raw = np.zeros(nbytes + pad, dtype=np.uint8)
+    start = (-int(raw.ctypes.data)) % pad
+    if huge:
+        advise_huge_pages(int(raw.ctypes.data), raw.nbytes)
+    return raw, raw[start : start + nbytes].data
+
+
+class StagedRing:
+    """``num_slots`` expert slots as per-component arrays on the compute device.
+
+    ``dtype`` is the compute dtype float components are kept in. ``landings`` host buffers
+    of one record each carry reads to the compute thread (at least one; the engine uses
+    twice its I/O workers). ``max_bank_elements`` caps each array's element count (None:
+    one bank). ``bounce``: read into per-thread host buffers, then copy into the landing.
+    Build it on the compute thread (its arrays live on that thread's default device).
+    """
+
+    kind = "staged"
+
+    def __init__(
+        self,
+        layout: RecordLayout,
+        num_slots: int,
+        dtype: Any,
+        *,
+        landings: int = 8,
+        max_bank_elements: int | None = None,
+        bounce: bool = False,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a ring needs at least one slot, got {num_slots}")
+        if landings < 1:
+            raise ValueError(f"a staged ring needs at least one landing buffer, got {landings}")
+        if layout.stride <= 0 or layout.stride % RECORD_ALIGN:
+            raise ValueError(f"record stride {layout.stride} is not a multiple of {RECORD_ALIGN}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.stride = layout.stride
+        self.dtype = dtype
+        self._targets = [(c, target_dtype(c, dtype)) for c in layout.components]
+        per_slot = max(math.prod(c.shape) for c in layout.components)
+        if max_bank_elements is None:
+            self.bank_slots = num_slots
+        else:
+            if per_slot > max_bank_elements:
+                raise ValueError(
+                    f"one expert's component has {per_slot} elements, more than a bank's "
+                    f"{max_bank_elements}"
+                )
+            self.bank_slots = min(num_slots, max_bank_elements // per_slot)
+        sizes = [self.bank_slots] * (num_slots // self.bank_slots)
+        if num_slots % self.bank_slots:
+            sizes.append(num_slots % self.bank_slots)
+        # [S_b, *shape] per component: zero-filled, so the memory is committed up front. A
+        # bank has at least 2 rows: MLX's slice_update returns the update itself when it
+        # covers the whole array, which would make the bank alias a landing buffer.
+        self._banks: list[dict[str, Any]] = [
+            {c.name: mx.zeros((max(n, 2), *c.shape), t) for c, t in self._targets} for n in sizes
+        ]
+        mx.eval([list(b.values()) for b in self._banks])
+        self.nbytes = num_slots * self.slot_bytes(layout, dtype)
+
+        # Landing buffers: host memory (the CPU stream's allocations; on CUDA, managed).
+        self._landings: list[_Landing] = []
+        for _ in range(landings):
+            a = mx.zeros((self.stride // RECORD_ALIGN + 1, RECORD_ALIGN), mx.uint8, stream=mx.cpu)
+            mx.eval(a)
+            flat = np.asarray(a).reshape(-1)  # writable view of the MLX host buffer
+            start = (-int(flat.ctypes.data)) % RECORD_ALIGN
+            if not bounce:  # O_DIRECT lands here: huge pages make it ~2.5x faster
+                advise_huge_pages(int(flat.ctypes.data), flat.nbytes)
+            self._landings.append(_Landing(a, flat[start : start + self.stride].data, start))
+        self.host_bytes = landings * (self.stride + RECORD_ALIGN)
+        self.bounce = bounce
+        self._bounce_buffers = threading.local()
+
+        self._cond = threading.Condition()
+        self._free: list[_Landing] = list(self._landings)
+        self._pending: collections.deque[tuple[int, _Landing]] = collections.deque()
+        self._closed = False
+        self.on_landed: Callable[[], None] | None = None  # called (any thread) after a landing
+        # Where the time goes (docs/performance.md): read by benchmarks.
+        self.commits = 0
+        self.commit_seconds = 0.0  # compute thread, committing
+        self.landing_wait_seconds = 0.0  # I/O threads, waiting for a free landing buffer
+
+    @staticmethod
+    def slot_bytes(layout: RecordLayout, dtype: Any) -> int:
+        """Device memory one slot takes: each component in the dtype it is kept in."""
+        return sum(math.prod(c.shape) * target_dtype(c, dtype).size for c in layout.components)
+
+    # ------------------------------------------------------------------ I/O side
+    @contextmanager
+    def landing(self, slot: int) -> Iterator[memoryview]:
+        """A free landing buffer (blocks until one is); on success it is queued for slot
+        ``slot``'s commit, on an exception it goes back to the pool. RuntimeError once
+        the ring is closed."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        land = self._take()
+        try:
+            if self.bounce:
+                buffer = self._bounce()
+                yield buffer
+                land.memory[:] = buffer  # a CPU copy: managed memory stays coherent
+            else:
+                yield land.memory
+        except BaseException:
+            self._give_back([land])
+            raise
+        with self._cond:
+            if self._closed:
+                self._free.append(land)
+                return
+            self._pending.append((slot, land))
+            self._cond.notify_all()
+        if self.on_landed is not None:
+            self.on_landed()
+
+    def _take(self) -> _Landing:
+        with self._cond:
+            if not self._free and not self._closed:
+                start = time.perf_counter()
+                while not self._free and not self._closed:
+                    self._cond.wait()
+                self.landing_wait_seconds += time.perf_counter() - start
+            if self._closed:
+                raise RuntimeError("the ring is closed")
+            return self._free.pop()
+
+    def _give_back(self, lands: list[_Landing]) -> None:
+        with self._cond:
+            self._free.extend(lands)
+            self._cond.notify_all()
+
+    def _bounce(self) -> memoryview:
+        """This I/O thread's own aligned host buffer (allocated once per thread)."""
+        mine = getattr(self._bounce_buffers, "buffer", None)
+        if mine is None:
+            raw, mine = _aligned_host(self.stride, huge=True)
+            self._bounce_buffers.raw, self._bounce_buffers.buffer = raw, mine
+        return mine
+
+    # ------------------------------------------------------------------ compute side
+    def commit(self) -> int:
+        """Copy every landed record into its slot (compute thread); return how many."""
+        with self._cond:
+            if not self._pending:
+                return 0
+            pending, self._pending = self._pending, collections.deque()
+        start = time.perf_counter()
+        latest: dict[int, _Landing] = {}
+        done: list[_Landing] = []
+        for slot, land in pending:  # in landing order: a slot re-read since keeps the last
+            if slot in latest:
+                done.append(latest[slot])
+            latest[slot] = land
+        touched: list[Any] = []
+        try:
+            for slot, land in latest.items():
+                bank, local = self.locate(slot)
+                arrays = self._banks[bank]
+                for c, t in self._targets:
+                    arrays[c.name][local] = land.component(c, t)
+                    touched.append(arrays[c.name])
+            mx.eval(touched)
+        finally:
+            del touched
+            self._give_back(done + list(latest.values()))
+        self.commits += len(latest)
+        self.commit_seconds += time.perf_counter() - start
+        return len(latest)
+
+    def block_on(self, future: concurrent.futures.Future[T]) -> T:
+        future.add_done_callback(lambda _: self._notify())
+        while True:
+            self.commit()
+            with self._cond:
+                while not future.done() and not self._pending:
+                    self._cond.wait()
+            if future.done():
+                break
+        self.commit()
+        return future.result()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def banks(self) -> list[dict[str, Any]]:
+        return [dict(b) for b in self._banks]
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        return divmod(slot, self.bank_slots)
+
+    def pending(self) -> int:
+        """Records landed and not yet committed."""
+        with self._cond:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._free.extend(land for _, land in self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedRing({self.num_slots} slots in {len(self._banks)} bank(s), "
+            f"{format_bytes(self.nbytes)} of {self.dtype}, {len(self._landings)} landings)"
+        )
