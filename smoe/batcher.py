@@ -41,6 +41,7 @@ class Meter:
     misses: int = 0
     wait_s: float = 0.0
     experts: int = 0  # distinct experts summed over (pass, MoE layer)
+    copy_s: float = 0.0  # compute thread committing landed records (a staged ring)
 
     def add(self, cost: Meter, bytes_read: int) -> None:
         """Count ``cost`` here, with ``bytes_read`` as this request's share of its bytes."""
@@ -49,6 +50,7 @@ class Meter:
         self.misses += cost.misses
         self.wait_s += cost.wait_s
         self.experts += cost.experts
+        self.copy_s += cost.copy_s
 
     def __sub__(self, other: Meter) -> Meter:
         return Meter(
@@ -57,6 +59,7 @@ class Meter:
             self.misses - other.misses,
             self.wait_s - other.wait_s,
             self.experts - other.experts,
+            self.copy_s - other.copy_s,
         )
 
 

@@ -155,14 +155,18 @@ def _id_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got '{text}'") from None
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("expected positive numbers like 1,2,4")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected numbers >= {minimum} like 1,2,4")
     return values
+
+
+def _count_list(text: str) -> list[int]:
+    return _int_list(text, minimum=0)
 
 
 def cmd_bench_io(args: argparse.Namespace) -> int:
@@ -176,11 +180,14 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         batch=args.batch,
         slots=args.slots,
         seed=args.seed,
+        paths=tuple(args.path.split(",")),
+        busy=tuple(args.busy),
     )
     print(json.dumps(report, indent=1))
     for row in report["sweep"]:
         print(
-            f"workers {row['workers']:>3}: baseline {row['baseline_GBps']:.2f} GB/s, "
+            f"{row['path']:>8} busy {row['busy_processes']:>2} workers {row['workers']:>3}: "
+            f"baseline {row['baseline_GBps']:.2f} GB/s, "
             f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)",
             file=sys.stderr,
         )
@@ -654,6 +661,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bio.add_argument("--batch", type=int, default=8, help="experts per acquire (top-k)")
     bio.add_argument("--slots", type=int, default=64, help="ring slots for the streamer")
+    bio.add_argument(
+        "--path",
+        default="unified",
+        help="rings to measure: unified (reads land in the slots), staged (disk -> host "
+        "landing -> device arrays), or both: unified,staged",
+    )
+    bio.add_argument(
+        "--busy",
+        type=_count_list,
+        default=[0],
+        help="spinning processes beside the reads, e.g. 0,16 (default 0)",
+    )
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)
 

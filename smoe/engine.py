@@ -72,6 +72,7 @@ class GenerationStats:
     prefill_bytes: int = 0
     decode_bytes_per_token: float = 0.0
     decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
+    decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
     decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
 
     def to_json(self) -> dict[str, Any]:
@@ -414,6 +415,7 @@ class Engine:
             sched.misses,
             self.slots.wait_seconds,
             self.tracer.unique_experts,
+            getattr(self.ring, "commit_seconds", 0.0),
         )
 
     def _demand_arrives(self) -> None:
@@ -585,6 +587,7 @@ class Engine:
             stats.decode_tok_s = decoded / span
             stats.decode_bytes_per_token = dec.bytes_read / decoded
             stats.decode_io_wait_share = min(1.0, dec.wait_s / span)
+            stats.decode_copy_share = min(1.0, dec.copy_s / span)
             asked = dec.hits + dec.misses
             stats.decode_hit_rate = dec.hits / asked if asked else 0.0
         if ticket.batch_sizes:

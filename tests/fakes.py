@@ -65,3 +65,51 @@ async def settle(rounds: int = 50) -> None:
 def record_of(key: tuple[int, int], experts_per_layer: int = 100) -> int:
     layer, expert = key
     return layer * experts_per_layer + expert
+
+
+@dataclass
+class QueuedBackend(ControlledBackend):
+    """A ControlledBackend with ``workers`` workers and a queue in front of them, as
+    DirectReader has: reads handed over beyond the workers wait, demand (priority 0)
+    before speculation, and start (appear in ``started``) only when a worker is free."""
+
+    workers: int = 1
+    handed: list[int] = field(default_factory=list)  # records in the order handed over
+    queued: tuple[list[tuple[int, asyncio.Future[None]]], ...] = field(
+        default_factory=lambda: ([], [])
+    )
+    running: int = 0
+
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
+        self.handed.append(record)
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (record, gate)
+        self.queued[priority].append(entry)
+        self._dispatch()
+        try:
+            await gate
+        except asyncio.CancelledError:
+            if entry in self.queued[priority]:  # never started: dropped
+                self.queued[priority].remove(entry)
+                raise
+            self.running -= 1  # started meanwhile: let it finish as a cancelled read
+            self._dispatch()
+            raise
+        try:
+            return await super().read(record, slot, priority)
+        finally:
+            self.running -= 1
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.running < self.workers:
+            queue = self.queued[0] or self.queued[1]
+            if not queue:
+                return
+            _, gate = queue.pop(0)
+            self.running += 1
+            gate.set_result(None)
+
+    def waiting(self) -> list[int]:
+        """Records handed over but not started, in the order they will start."""
+        return [r for q in self.queued for r, _ in q]

@@ -495,3 +495,70 @@ async def test_whole_layer_mode_used_on_gpus_is_exact_too(quantized):
         for a, b in zip(step_logits, ref_step_logits, strict=True):
             assert np.array_equal(a, b)
         assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
+
+
+# --------------------------------------------------------------------------- 6. staged ring
+@pytest.mark.asyncio
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_the_staged_ring_is_bit_identical_at_every_budget_under_shuffled_reads(
+    arch, quantized
+):
+    """The staged ring (host landings committed into per-component arrays: the path CUDA
+    GPUs take) computes exactly mlx-lm's logits, prefill and decode, at the minimum ring
+    (waves), half the experts and all of them, with reads completing in shuffled order.
+    The unified ring gives the same bits (test 1), so the two rings agree too."""
+    vault, ref = quantized(arch)
+    m = vault.manifest
+    prompt = _prompt(70, seed=3)
+    want = reference_logits(ref, prompt)
+    ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
+    for seed, slots in enumerate((top_k_of(vault), m.num_records // 2, m.num_records)):
+        async with Engine.open(vault.path, slots=slots, ring="staged") as engine:
+            assert engine.ring.kind == "staged" and engine.ring.num_slots == slots
+            shuffled = ShuffledReads(engine.scheduler._backend, seed, [])
+            engine.scheduler._backend = shuffled
+            assert np.array_equal(await engine.logits(prompt), want), slots
+            step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
+            for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
+                assert np.array_equal(a, b), (slots, i)
+            assert engine.ring.commits > 0 and engine.scheduler.stats.io_errors == 0
+
+
+@pytest.mark.asyncio
+async def test_banks_of_the_staged_ring_change_no_bit(quantized):
+    """A staged ring split into banks (as on a GPU, where arrays stay below 2^31
+    elements) computes the same bits: a call whose experts sit in several banks runs each
+    bank's (token, rank) pairs and puts them back in place."""
+    vault, ref = quantized("qwen3_moe")
+    m = vault.manifest
+    per_slot = max(int(np.prod(c.shape)) for c in m.record.components)
+    prompt = _prompt(70, seed=4)
+    want = reference_logits(ref, prompt)
+    ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
+    for slots, per_bank in ((m.num_records, 3), (5, 2), (m.num_records, 1)):
+        async with Engine.open(
+            vault.path, slots=slots, ring="staged", bank_elements=per_bank * per_slot
+        ) as engine:
+            assert len(engine.ring.banks()) == -(-slots // per_bank)
+            assert np.array_equal(await engine.logits(prompt), want), (slots, per_bank)
+            step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
+            for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
+                assert np.array_equal(a, b), (slots, per_bank, i)
+
+
+@pytest.mark.asyncio
+async def test_bfloat16_scales_are_converted_once_and_compute_the_same_bits(hf_dir, tmp_path):
+    """The default vault format (bfloat16 scales) on the CPU, where activations are
+    float32: the engine picks the staged ring, which converts each record once as it
+    lands, and equals mlx-lm computing on the same bfloat16 scales in memory."""
+    vault = convert(hf_dir("qwen3_moe"), tmp_path / "v")
+    assert {c.dtype for c in vault.manifest.record.components} >= {"bfloat16"}
+    ref = reference_model(vault, tmp_path / "mlx")
+    prompt = _prompt(70, seed=5)
+    want = reference_logits(ref, prompt)
+    ref_tokens, _ = reference_decode(ref, prompt, DECODE_STEPS)
+    for slots in (top_k_of(vault), vault.manifest.num_records):
+        async with Engine.open(vault.path, slots=slots) as engine:
+            assert engine.ring.kind == "staged"
+            assert np.array_equal(await engine.logits(prompt), want), slots
+            assert await engine_generate(engine, prompt, DECODE_STEPS) == ref_tokens

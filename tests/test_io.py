@@ -629,3 +629,42 @@ def test_a_ring_beyond_2_gib_allocates_and_views_its_last_slot():
         want = np.random.default_rng(slot).integers(0, 255, stride, dtype=np.uint8)
         assert np.array_equal(np.array(view[slot, ...]).reshape(-1), want), slot
     del view, ring
+
+
+@pytest.mark.asyncio
+async def test_a_worker_takes_its_next_read_without_the_event_loop(q4):
+    """A worker that finishes a read starts the next queued one itself: here the event
+    loop is blocked (a synchronous wait in this coroutine) while read 1 finishes, and
+    read 2 still starts. A round trip through the loop between reads would deadlock."""
+    reader = DirectReader(q4, Ring(q4.manifest.record, 2), workers=1)
+    with reader, Blocking(reader) as fake:
+        fake.arm(1)
+        fake.arm(2)
+        first = asyncio.create_task(reader.read(1, 0))
+        second = asyncio.create_task(reader.read(2, 1))
+        await fake.wait_started(1)
+        await loop_turns()  # both are queued in the reader now
+        fake.release[1].set()
+        assert fake.started[2].wait(SAFETY), "the worker waited for the loop"  # loop blocked
+        fake.release[2].set()
+        assert await first == await second == reader.stride
+        assert fake.log == ["thread 1 done", "thread 2 done"]
+
+
+@pytest.mark.asyncio
+async def test_queued_demand_reads_start_before_queued_speculative_ones(q4):
+    reader = DirectReader(q4, Ring(q4.manifest.record, 4), workers=1)
+    with reader, Blocking(reader) as fake:
+        for r in (1, 2, 3, 4):
+            fake.arm(r)
+        busy = asyncio.create_task(reader.read(1, 0))
+        await fake.wait_started(1)
+        spec = [asyncio.create_task(reader.read(r, r - 1, priority=1)) for r in (2, 3)]
+        await loop_turns()
+        demand = asyncio.create_task(reader.read(4, 3, priority=0))
+        await loop_turns()
+        for r in (1, 4, 2, 3):
+            fake.release[r].set()
+        await asyncio.gather(busy, demand, *spec)
+        order = [line.split()[1] for line in fake.log]
+        assert order == ["1", "4", "2", "3"]  # demand first, then speculation in order

@@ -9,14 +9,18 @@ import pytest
 
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.sched.types import Priority, ReadError, RingTooSmall, SlotState
-from tests.fakes import ControlledBackend, record_of, settle
+from tests.fakes import ControlledBackend, QueuedBackend, record_of, settle
 
 pytestmark = pytest.mark.asyncio
 
 
-def make(slots: int = 8, workers: int = 2, backend: ControlledBackend | None = None):
+def make(
+    slots: int = 8, workers: int = 2, backend: ControlledBackend | None = None, runway: int = 0
+):
     backend = backend or ControlledBackend()
-    sched = ExpertScheduler(slots, backend, record_of=record_of, record_bytes=100, workers=workers)
+    sched = ExpertScheduler(
+        slots, backend, record_of=record_of, record_bytes=100, workers=workers, runway=runway
+    )
     return sched, backend
 
 
@@ -81,6 +85,55 @@ async def test_a_demand_read_waits_behind_at_most_the_reads_in_flight():
     assert be.started_records() == [0, 1, 107]  # not 2, 3, ...
     be.complete(107)
     await task
+
+
+async def test_a_runway_hands_reads_ahead_and_demand_passes_handed_speculation():
+    """With a runway each worker has its next read waiting in the backend, so it never
+    waits for the event loop between reads; a demand read is still handed at once, and
+    the backend starts it before the speculative reads handed earlier."""
+    be = QueuedBackend(workers=1)
+    sched, _ = make(workers=1, backend=be, runway=1)
+    sched.prefetch(0, [1, 2, 3])
+    await settle()
+    assert be.handed == [1, 2] and be.started_records() == [1]  # 2 waits in the backend
+    assert sched.queue_depth(Priority.SPECULATIVE) == 1  # 3 is still the scheduler's
+    task = spawn(sched.acquire(0, [9]))
+    await settle()
+    assert be.handed == [1, 2, 9] and be.waiting() == [9, 2]  # demand runs first
+    sched.check_invariants()
+    be.complete(1)
+    await settle()
+    assert be.started_records() == [1, 9]
+    be.complete(9)
+    slots = await task
+    sched.release(slots)
+    await settle()
+    assert be.started_records() == [1, 9, 2] and be.handed == [1, 2, 9, 3]
+    be.complete(2)
+    await settle()
+    be.complete(3)
+    await settle()
+    sched.check_invariants()
+    await sched.close()
+
+
+async def test_without_speculation_a_runway_keeps_demand_in_order():
+    be = QueuedBackend(workers=2)
+    sched, _ = make(workers=2, backend=be, runway=2)
+    tasks = [spawn(sched.acquire(0, [e])) for e in range(6)]
+    await settle()
+    assert be.handed == [0, 1, 2, 3] and be.started_records() == [0, 1]
+    be.complete(1)
+    await settle()
+    assert be.started_records() == [0, 1, 2] and be.handed == [0, 1, 2, 3, 4]
+    for r in (0, 2, 3, 4, 5):
+        while r not in be.pending:
+            await settle()
+        be.complete(r)
+    for t in tasks:
+        sched.release(await t)
+    sched.check_invariants()
+    await sched.close()
 
 
 async def test_two_requests_share_one_read():
@@ -286,14 +339,18 @@ async def test_close_waits_for_reads_in_flight():
         await sched.acquire(0, [2])
 
 
+@pytest.mark.parametrize("runway", [0, 2])
 @pytest.mark.parametrize("seed", range(8))
-async def test_randomized_stress(seed):
+async def test_randomized_stress(seed, runway):
     """Many tasks acquire, hold, and release random experts while reads complete, fail
     or stall in random order and some tasks are cancelled. After every step the slot
-    table is consistent, and every slot a task holds contains the record it asked for."""
+    table is consistent, and every slot a task holds contains the record it asked for.
+    With a runway the backend queues the reads handed beyond its workers."""
     rng = random.Random(seed)
     slots = rng.choice([4, 6, 10])
-    sched, be = make(slots=slots, workers=rng.choice([1, 2, 3]))
+    workers = rng.choice([1, 2, 3])
+    backend = QueuedBackend(workers=workers) if runway else ControlledBackend()
+    sched, be = make(slots=slots, workers=workers, backend=backend, runway=runway)
     held: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # task id -> (keys, slots)
     outcomes = {"ok": 0, "error": 0, "cancelled": 0, "too_small": 0}
 
@@ -313,13 +370,15 @@ async def test_randomized_stress(seed):
                 continue
             keys = list(dict.fromkeys((layer, e) for e in experts))
             held[cid] = (keys, got)
-            for key, s in zip(keys, got, strict=True):
-                assert be.memory[s] == record_of(key), "handed a slot with the wrong record"
-            await settle(rng.randint(0, 5))  # "compute" while holding
-            for key, s in zip(keys, got, strict=True):
-                assert be.memory[s] == record_of(key), "a pinned slot was overwritten"
-            del held[cid]
-            sched.release(got)
+            try:  # a client cancelled while it holds its slots still releases them
+                for key, s in zip(keys, got, strict=True):
+                    assert be.memory[s] == record_of(key), "handed a slot with the wrong record"
+                await settle(rng.randint(0, 5))  # "compute" while holding
+                for key, s in zip(keys, got, strict=True):
+                    assert be.memory[s] == record_of(key), "a pinned slot was overwritten"
+            finally:
+                del held[cid]
+                sched.release(got)
             outcomes["ok"] += 1
 
     tasks = [spawn(client(i)) for i in range(6)]

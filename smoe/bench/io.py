@@ -5,6 +5,10 @@ Cold random reads of whole records from a real vault. For each worker count, in 
   aligned buffer with O_DIRECT, no scheduler, no ring;
 - streamer: S-MoE's ExpertScheduler + DirectReader with N workers filling ring slots,
   driven by clients that acquire decode-sized batches of experts (all misses) and release.
+  On the unified path reads land in the slots; on the staged path they land in host
+  buffers that another thread commits into the device arrays (disk -> staging -> device),
+  and the run ends when the last record is on the device.
+With ``busy``, spinning processes occupy the CPUs during both, as compute does.
 Both read the same number of records of the same size at the same concurrency, into the
 same kind of memory (16 KiB-aligned, backed by huge pages where the kernel allows). The two run
 back to back, alternating which goes first, so drift in the disk hits both. Page cache:
@@ -14,7 +18,9 @@ O_DIRECT bypasses it; the file's cached pages are also dropped (fadvise) before 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
+import multiprocessing
 import os
 import queue
 import random
@@ -26,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader, open_direct
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.unified import UnifiedRing as Ring
+from smoe.io.ring import GPU_MAX_ELEMENTS
+from smoe.io.staged import StagedRing
+from smoe.io.unified import UnifiedRing
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
@@ -98,11 +107,63 @@ def baseline_run(path: Path, stride: int, records: list[int], workers: int) -> R
     return RunResult(len(records), len(records) * stride, seconds)
 
 
+class _Committer:
+    """A thread that owns a staged ring's MLX work, as the engine's compute thread does:
+    it builds the ring and commits landed records until told to stop."""
+
+    def __init__(self, make_ring: Any) -> None:
+        self._made: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._stop: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(make_ring,), name="bench-commit")
+        self._thread.start()
+        self.ring = self._made.result()
+
+    def _run(self, make_ring: Any) -> None:
+        try:
+            ring = make_ring()
+        except BaseException as e:
+            self._made.set_exception(e)
+            return
+        self._made.set_result(ring)
+        ring.block_on(self._stop)
+
+    def stop(self) -> None:
+        """Commit what has landed, then end the thread."""
+        self._stop.set_result(None)
+        self._thread.join()
+
+
+def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _Committer | None]:
+    """The ring of ``path`` ('unified' or 'staged', as the engine builds it on this
+    device), and for a staged ring the thread committing its landings."""
+    import mlx.core as mx
+
+    m = vault.manifest
+    if path == "unified":
+        return UnifiedRing(m.record, slots), None
+    gpu = mx.default_device() == mx.gpu
+    discrete = gpu and not mx.metal.is_available()
+    dtype = mx.bfloat16 if gpu else mx.float32
+
+    def build() -> StagedRing:
+        return StagedRing(
+            m.record,
+            slots,
+            dtype,
+            landings=2 * workers,
+            max_bank_elements=GPU_MAX_ELEMENTS if gpu else None,
+            bounce=discrete,
+        )
+
+    committer = _Committer(build)
+    return committer.ring, committer
+
+
 async def _streamer(
-    vault: Vault, records: list[int], workers: int, slots: int, batch: int
+    vault: Vault, records: list[int], workers: int, slots: int, batch: int, path: str
 ) -> RunResult:
     m = vault.manifest
-    ring = Ring(m.record, slots)
+    ring, committer = make_ring(vault, path, slots, workers)
     reader = DirectReader(vault, ring, workers=workers)
     sched = ExpertScheduler(
         slots,
@@ -110,6 +171,7 @@ async def _streamer(
         record_of=lambda k: m.record_index(*k),
         record_bytes=m.record.stride,
         workers=workers,
+        runway=workers,  # as the engine runs it
     )
     keys = [m.record_key(r) for r in records]
     batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
@@ -131,8 +193,14 @@ async def _streamer(
     try:
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
+        if committer is not None:  # the staged path ends when the last record is on device
+            await asyncio.to_thread(committer.stop)
+            committer = None
         seconds = time.perf_counter() - start
     finally:
+        if committer is not None:
+            committer.stop()
+        ring.close()
         await sched.close()
         reader.close()
     reads = sched.stats.by_priority
@@ -141,11 +209,38 @@ async def _streamer(
 
 
 def streamer_run(
-    vault: Vault, records: list[int], workers: int, slots: int, batch: int
+    vault: Vault, records: list[int], workers: int, slots: int, batch: int, path: str = "unified"
 ) -> RunResult:
     from smoe.aio import run
 
-    return run(_streamer(vault, records, workers, slots, batch))
+    return run(_streamer(vault, records, workers, slots, batch, path))
+
+
+def _spin() -> None:  # pragma: no cover - runs in a child process until terminated
+    while True:
+        pass
+
+
+class BusyCPUs:
+    """``n`` processes spinning on the CPUs while the block runs (as compute does)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+
+    def __enter__(self) -> BusyCPUs:
+        ctx = multiprocessing.get_context("spawn")
+        for _ in range(self.n):
+            proc = ctx.Process(target=_spin, daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self._procs:
+            proc.terminate()
+        for proc in self._procs:
+            proc.join()
 
 
 def bench_io(
@@ -156,41 +251,27 @@ def bench_io(
     batch: int = 8,
     slots: int = 64,
     seed: int = 0,
+    paths: tuple[str, ...] = ("unified",),
+    busy: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
-    """Run the sweep; return the JSON-able report."""
+    """Run the sweep; return the JSON-able report. ``paths``: the rings to measure
+    ('unified': reads land in the slots; 'staged': host landings committed into device
+    arrays by another thread). ``busy``: numbers of spinning processes to run beside."""
+    unknown = set(paths) - {"unified", "staged"}
+    if unknown:
+        raise SmoeError(f"unknown path {sorted(unknown)[0]!r}: use unified, staged or both")
     vault = Vault.open(vault_path)
     m = vault.manifest
     stride = m.record.stride
     n = min(reads or m.num_records, m.num_records)
     rng = random.Random(seed)
     rows = []
-    for w in workers:
-        runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": []}
-        for rep in range(repeats):
-            order = rng.sample(range(m.num_records), n)  # random, each record once
-            # ABBA order: a disk that speeds up or slows down over time hits both alike.
-            kinds = ["baseline", "streamer"] if rep % 2 == 0 else ["streamer", "baseline"]
-            for kind in kinds:
-                drop_file_cache(vault.experts_path)
-                if kind == "baseline":
-                    result = baseline_run(vault.experts_path, stride, order, w)
-                else:
-                    result = streamer_run(vault, order, w, slots, batch)
-                runs[kind].append(result)
-        b, s = (
-            sum(r.bytes for r in runs[k]) / sum(r.seconds for r in runs[k]) / 1e9
-            for k in ("baseline", "streamer")
-        )
-        rows.append(
-            {
-                "workers": w,
-                "baseline_GBps": round(b, 3),
-                "streamer_GBps": round(s, 3),
-                "ratio": round(s / b, 3),
-                "baseline_runs_GBps": [round(r.gbps, 3) for r in runs["baseline"]],
-                "streamer_runs_GBps": [round(r.gbps, 3) for r in runs["streamer"]],
-            }
-        )
+    for load in busy:
+        with BusyCPUs(load):
+            for path in paths:
+                for w in workers:
+                    rows.append(_sweep_row(vault, stride, n, w, repeats, batch, slots, path, rng))
+                    rows[-1]["busy_processes"] = load
     fd, direct = open_direct(vault.experts_path)
     os.close(fd)
     return {
@@ -204,7 +285,47 @@ def bench_io(
         "batch": batch,
         "ring_slots": slots,
         "direct_io": direct,
-        "ring_huge_pages": Ring(m.record, 1).huge_pages,
+        "ring_huge_pages": UnifiedRing(m.record, 1).huge_pages,
+        "cpus": os.cpu_count(),
         "sweep": rows,
         "best": max(rows, key=lambda r: r["streamer_GBps"]),
+    }
+
+
+def _sweep_row(
+    vault: Vault,
+    stride: int,
+    n: int,
+    w: int,
+    repeats: int,
+    batch: int,
+    slots: int,
+    path: str,
+    rng: random.Random,
+) -> dict[str, Any]:
+    m = vault.manifest
+    runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": []}
+    for rep in range(repeats):
+        order = rng.sample(range(m.num_records), n)  # random, each record once
+        # ABBA order: a disk that speeds up or slows down over time hits both alike.
+        kinds = ["baseline", "streamer"] if rep % 2 == 0 else ["streamer", "baseline"]
+        for kind in kinds:
+            drop_file_cache(vault.experts_path)
+            if kind == "baseline":
+                result = baseline_run(vault.experts_path, stride, order, w)
+            else:
+                result = streamer_run(vault, order, w, slots, batch, path)
+            runs[kind].append(result)
+    b, s = (
+        sum(r.bytes for r in runs[k]) / sum(r.seconds for r in runs[k]) / 1e9
+        for k in ("baseline", "streamer")
+    )
+    return {
+        "path": path,
+        "workers": w,
+        "baseline_GBps": round(b, 3),
+        "streamer_GBps": round(s, 3),
+        "ratio": round(s / b, 3),
+        "baseline_runs_GBps": [round(r.gbps, 3) for r in runs["baseline"]],
+        "streamer_runs_GBps": [round(r.gbps, 3) for r in runs["streamer"]],
     }

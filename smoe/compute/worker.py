@@ -71,9 +71,16 @@ class LoopSlots:
     def reserve(self, layer: int, experts: list[int]) -> Lease:
         """Pin slots and queue the misses; return at once (the reads go on)."""
         self.acquires += 1
-        reservation = self._wait(self.scheduler.reserve(layer, experts, owner=self))
-        # A pinned READY slot cannot change, so this snapshot stays true.
-        return Lease(self, reservation, reservation.ready())
+        reservation, ready = self._wait(self._reserve(layer, experts))
+        return Lease(self, reservation, ready)
+
+    async def _reserve(self, layer: int, experts: list[int]) -> tuple[Reservation, list[bool]]:
+        """On the loop: the reservation and which of its slots are READY, read together.
+        A slot read as READY landed before this returned, so the ring commits it before
+        ``_wait`` does (a snapshot taken later, from this thread, could see a slot READY
+        whose landing is not committed yet). A pinned READY slot cannot change after."""
+        reservation = await self.scheduler.reserve(layer, experts, owner=self)
+        return reservation, reservation.ready()
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         start = time.perf_counter()

@@ -159,6 +159,7 @@ class StagedRing:
         self.commits = 0
         self.commit_seconds = 0.0  # compute thread, committing
         self.landing_wait_seconds = 0.0  # I/O threads, waiting for a free landing buffer
+        self.waiting_for_landing = 0  # I/O threads waiting for one now
 
     @staticmethod
     def slot_bytes(layout: RecordLayout, dtype: Any) -> int:
@@ -197,8 +198,10 @@ class StagedRing:
         with self._cond:
             if not self._free and not self._closed:
                 start = time.perf_counter()
+                self.waiting_for_landing += 1
                 while not self._free and not self._closed:
                     self._cond.wait()
+                self.waiting_for_landing -= 1
                 self.landing_wait_seconds += time.perf_counter() - start
             if self._closed:
                 raise RuntimeError("the ring is closed")
