@@ -27,32 +27,17 @@ from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
-from smoe.io.ring import GPU_MAX_ELEMENTS, ExpertRing, slots_for_budget
+from smoe.io.ring import GPU_MAX_ELEMENTS, ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
+from smoe.ring_plan import current_device, plan_ring
 from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
-from smoe.vault.format import RecordLayout, Vault
+from smoe.vault.format import Vault
 
 if TYPE_CHECKING:
     from smoe.conversation import Conversation
-
-
-def _float_dtypes(layout: RecordLayout) -> str:
-    return ", ".join(sorted({c.dtype for c in layout.components if "float" in c.dtype}))
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to this process now (Linux: MemAvailable), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass
@@ -91,8 +76,8 @@ class Event:
 
 @dataclass
 class EngineOptions:
-    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit
-    # in half the available memory beside the backbone, else what does
+    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
+    # else what does (smoe.ring_plan: the GPU's free memory, or half the available memory)
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
@@ -104,7 +89,7 @@ class EngineOptions:
     direct_io: bool = True
     max_batch: int = 8  # generations decoded together (1: one at a time)
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
-    ring: str = "auto"  # "unified", "staged" or "auto" (see Engine._ring_kind)
+    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.ring_plan)
     bank_elements: int | None = None  # staged ring: elements per array (None: the device's)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -144,11 +129,19 @@ class Engine:
         if name not in ("float32", "bfloat16", "float16"):
             raise SmoeError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
         self.dtype = getattr(mx, name)
-        kind = self._ring_kind()
-        slots = self._ring_slots(kind)
+        plan = plan_ring(
+            self.vault,
+            requested=o.ring,
+            dtype=self.dtype,
+            device=current_device(self._device),
+            memory=o.memory,
+            slots=o.slots,
+            max_batch=o.max_batch,
+            max_context=o.max_context,
+        )
         self.compute = ComputeThread()
         try:
-            self.ring = await self.compute.run(self._make_ring, kind, slots)
+            self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
             self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
             self.popularity = Popularity(self.vault)
             self.tracer.popularity = self.popularity
@@ -214,95 +207,6 @@ class Engine:
         import mlx.core as mx
 
         return bool(self._device == mx.gpu and not mx.metal.is_available())
-
-    def _ring_kind(self) -> str:
-        """``options.ring``, or for "auto": staged on a discrete GPU or when the vault's
-        float components are not in the compute dtype, else unified (reads land in place)."""
-        from smoe.io.ring import needs_conversion
-
-        kind = self.options.ring
-        layout = self.vault.manifest.record
-        if kind not in ("auto", "unified", "staged"):
-            raise SmoeError(f"ring must be auto, unified or staged, not {kind!r}")
-        convert = needs_conversion(layout, self.dtype)
-        if kind == "unified" and self._discrete_gpu():
-            raise SmoeError(
-                "a unified ring cannot be used on a CUDA GPU (its kernels do not see slots "
-                "rewritten through host memory): use --ring staged, or leave --ring out"
-            )
-        if kind == "unified" and convert:
-            raise SmoeError(
-                f"the vault's float components ({_float_dtypes(layout)}) are not in the compute "
-                f"dtype ({self.dtype}), so a unified ring would convert the whole ring on every "
-                "call: use --ring staged (the default), or convert the vault with --dtype "
-                f"{str(self.dtype).split('.')[-1]}"
-            )
-        if kind == "auto":
-            return "staged" if self._discrete_gpu() or convert else "unified"
-        return kind
-
-    def _slot_bytes(self, kind: str) -> int:
-        layout = self.vault.manifest.record
-        if kind == "staged":
-            return StagedRing.slot_bytes(layout, self.dtype)
-        return UnifiedRing.slot_bytes(layout)
-
-    def _ring_slots(self, kind: str) -> int:
-        """How many slots: ``slots``, else what ``memory`` holds, else the default budget
-        (every expert if it fits, else what does: ``_default_budget``)."""
-        m = self.vault.manifest
-        o = self.options
-        top_k = int(m.topology["experts_per_token"])
-        if o.slots is not None:
-            if o.slots < top_k:
-                raise SmoeError(
-                    f"slots={o.slots} is below one token's top-{top_k}; use {top_k} or more"
-                )
-            return int(o.slots)
-        budget = o.memory if o.memory is not None else self._default_budget(kind)
-        return slots_for_budget(
-            budget,
-            self._slot_bytes(kind),
-            min_slots=top_k,
-            max_slots=m.num_records,
-            reason=f"one layer's top-{top_k}",
-        )
-
-    def _default_budget(self, kind: str) -> int:
-        """Without --memory. On a discrete GPU: its free memory, less the backbone, room
-        for the KV caches and a 10% margin. Elsewhere: half the available memory beside
-        the backbone. Every expert when that holds them; never below one layer's top-k
-        (the budget then fails with the minimum it needs)."""
-        import mlx.core as mx
-
-        m = self.vault.manifest
-        backbone = self.vault.backbone_path.stat().st_size
-        top_k = int(m.topology["experts_per_token"])
-        floor = top_k * self._slot_bytes(kind)
-        if self._discrete_gpu():
-            free = int(mx.device_info(mx.gpu).get("free_memory", 0))
-            spare = int(free * 0.9) - backbone - self._kv_room(free)
-        else:
-            available = available_memory()
-            if available is None:
-                return m.num_records * self._slot_bytes(kind)
-            spare = available // 2 - backbone
-        return max(spare, floor)
-
-    def _kv_room(self, free: int) -> int:
-        """Bytes kept free for KV caches: ``max_batch`` sequences of the model's context
-        (or ``max_context``), at most a quarter of ``free``."""
-        config = self.vault.config()
-        o = self.options
-        context = min(o.max_context or 1 << 30, config.get("max_position_embeddings") or 4096)
-        layers = int(config.get("num_hidden_layers", 1))
-        kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads", 1))
-        head_dim = int(
-            config.get("head_dim")
-            or config.get("hidden_size", 0) // max(1, int(config.get("num_attention_heads", 1)))
-        )
-        per_token = 2 * layers * kv_heads * head_dim * self.dtype.size
-        return min(o.max_batch * context * per_token, free // 4)
 
     def _make_ring(self, kind: str, slots: int) -> ExpertRing:
         """The ring (on the compute thread: its arrays belong to that thread's device)."""

@@ -1,0 +1,186 @@
+"""Which ring an engine builds, and how many slots: decided from the device, the vault's
+record format, the compute dtype and the memory there is. No MLX arrays are made here.
+
+- Kind (``ExpertRing``): staged on a discrete GPU (CUDA: its kernels must read device
+  memory) and wherever the records' float components are not in the compute dtype (kernels
+  would otherwise convert the whole ring on every call); unified otherwise (reads land in
+  place). ``ring="unified"`` or ``"staged"`` forces one, refused where it cannot work.
+- Size: ``slots``, else what ``memory`` holds, else the default budget: every expert if
+  they fit, else as many as do. On a discrete GPU what fits is 90% of its free memory less
+  the backbone and room for the KV caches; elsewhere half the available memory beside the
+  backbone. A ring that cannot fit is refused with the budget that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from smoe.errors import SmoeError
+from smoe.io.ring import needs_conversion, slots_for_budget
+from smoe.io.staged import StagedRing
+from smoe.io.unified import UnifiedRing
+from smoe.units import format_bytes
+from smoe.vault.format import RecordLayout, Vault
+
+KINDS = ("auto", "unified", "staged")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the plan needs to know of the compute device."""
+
+    gpu: bool  # a GPU (CUDA or Metal)
+    discrete: bool  # with memory of its own (CUDA), not Apple's unified memory
+    free_memory: int | None = None  # bytes free on a discrete GPU
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    kind: str  # "unified" or "staged"
+    slots: int
+    slot_bytes: int  # memory one slot takes in this kind of ring
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux: MemAvailable), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def current_device(device: Any) -> Device:
+    """The Device of an MLX device (reads the free memory of a CUDA GPU)."""
+    import mlx.core as mx
+
+    if device != mx.gpu:
+        return Device(gpu=False, discrete=False)
+    if mx.metal.is_available():
+        return Device(gpu=True, discrete=False)
+    free = int(mx.device_info(mx.gpu).get("free_memory", 0))
+    return Device(gpu=True, discrete=True, free_memory=free)
+
+
+def _float_dtypes(layout: RecordLayout) -> str:
+    return ", ".join(sorted({c.dtype for c in layout.components if "float" in c.dtype}))
+
+
+def ring_kind(requested: str, layout: RecordLayout, dtype: Any, device: Device) -> str:
+    if requested not in KINDS:
+        raise SmoeError(f"ring must be auto, unified or staged, not {requested!r}")
+    convert = needs_conversion(layout, dtype)
+    if requested == "unified" and device.discrete:
+        raise SmoeError(
+            "a unified ring cannot be used on a CUDA GPU (its kernels do not see slots "
+            "rewritten through host memory): use --ring staged, or leave --ring out"
+        )
+    if requested == "unified" and convert:
+        name = str(dtype).split(".")[-1]
+        raise SmoeError(
+            f"the vault's float components ({_float_dtypes(layout)}) are not in the compute "
+            f"dtype ({name}), so a unified ring would convert the whole ring on every call: "
+            f"use --ring staged (the default), or convert the vault with --dtype {name}"
+        )
+    if requested == "auto":
+        return "staged" if device.discrete or convert else "unified"
+    return requested
+
+
+def slot_bytes(kind: str, layout: RecordLayout, dtype: Any) -> int:
+    if kind == "staged":
+        return StagedRing.slot_bytes(layout, dtype)
+    return UnifiedRing.slot_bytes(layout)
+
+
+def kv_room(config: dict[str, Any], dtype: Any, max_batch: int, max_context: int | None) -> int:
+    """Bytes of KV cache for ``max_batch`` sequences at the model's full context (or
+    ``max_context``): what a GPU keeps free for them beside the ring."""
+    context = min(max_context or 1 << 30, config.get("max_position_embeddings") or 4096)
+    layers = int(config.get("num_hidden_layers", 1))
+    heads = int(config.get("num_attention_heads", 1))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(1, heads))
+    return max_batch * context * 2 * layers * kv_heads * head_dim * int(dtype.size)
+
+
+def gpu_room(
+    vault: Vault, dtype: Any, device: Device, max_batch: int, max_context: int | None
+) -> int:
+    """Bytes a ring may take on a discrete GPU: 90% of its free memory, less the backbone
+    and the KV caches' room (at most a quarter of the free memory)."""
+    free = device.free_memory or 0
+    kv = min(kv_room(vault.config(), dtype, max_batch, max_context), free // 4)
+    return max(0, int(free * 0.9) - vault.backbone_path.stat().st_size - kv)
+
+
+def plan_ring(
+    vault: Vault,
+    *,
+    requested: str,
+    dtype: Any,
+    device: Device,
+    memory: int | str | None = None,
+    slots: int | None = None,
+    max_batch: int = 8,
+    max_context: int | None = None,
+) -> RingPlan:
+    """The ring to build (module docstring). Raises SmoeError naming the fix for a budget
+    below one layer's top-k, a ring the GPU cannot hold, or a ring kind that cannot work."""
+    m = vault.manifest
+    kind = ring_kind(requested, m.record, dtype, device)
+    per_slot = slot_bytes(kind, m.record, dtype)
+    top_k = int(m.topology["experts_per_token"])
+    room = gpu_room(vault, dtype, device, max_batch, max_context) if device.discrete else None
+    if slots is not None:
+        if slots < top_k:
+            raise SmoeError(f"slots={slots} is below one token's top-{top_k}; use {top_k} or more")
+        count = int(slots)
+    else:
+        if memory is None:
+            memory = _default_budget(vault, per_slot, top_k, room)
+        count = slots_for_budget(
+            memory, per_slot, top_k, max_slots=m.num_records, reason=f"one layer's top-{top_k}"
+        )
+    if room is not None and count * per_slot > room:
+        raise SmoeError(
+            f"a ring of {format_bytes(count * per_slot)} does not fit this GPU: "
+            f"{format_bytes(room)} are free beside the backbone and the KV caches; use "
+            f"--memory {_size_at_most(room)} or less, or --device cpu"
+        )
+    return RingPlan(kind, count, per_slot)
+
+
+def _size_at_most(nbytes: int) -> str:
+    """A round --memory value <= nbytes: 4.29 GB -> '4.2GB', 850 MB -> '850MB'."""
+    if nbytes >= 10**9:
+        return f"{nbytes // 10**8 / 10:g}GB"
+    if nbytes >= 10**6:
+        return f"{nbytes // 10**6}MB"
+    return f"{nbytes // 10**3}KB"
+
+
+def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None) -> int:
+    m = vault.manifest
+    floor = top_k * per_slot
+    if room is not None:  # a discrete GPU
+        if room < floor:
+            raise SmoeError(
+                f"this GPU has room for {format_bytes(room)} of experts beside the backbone, "
+                f"less than one layer's top-{top_k} ({format_bytes(floor)}): free GPU "
+                "memory, or use --device cpu"
+            )
+        return room
+    available = available_memory()
+    if available is None:
+        return m.num_records * per_slot
+    spare = available // 2 - vault.backbone_path.stat().st_size
+    return max(spare, floor)

@@ -1,0 +1,122 @@
+"""Which ring an engine builds and how large: by device, record format and memory."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import smoe.ring_plan as plan_module
+from smoe.engine import Engine
+from smoe.errors import SmoeError
+from smoe.ring_plan import Device, gpu_room, plan_ring
+from smoe.vault.convert import ConvertOptions, convert
+
+CPU = Device(gpu=False, discrete=False)
+APPLE = Device(gpu=True, discrete=False)
+
+
+def cuda(free: int) -> Device:
+    return Device(gpu=True, discrete=True, free_memory=free)
+
+
+@pytest.fixture(scope="module")
+def vaults(hf_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    src = hf_dir("qwen3_moe")
+    return {
+        "bf16": convert(src, root / "bf16"),
+        "f32": convert(src, root / "f32", ConvertOptions(dtype="float32")),
+    }
+
+
+def test_the_kind_follows_the_device_and_the_record_format(vaults):
+    bf16, f32 = vaults["bf16"], vaults["f32"]
+    assert plan_ring(f32, requested="auto", dtype=mx.float32, device=CPU).kind == "unified"
+    assert plan_ring(bf16, requested="auto", dtype=mx.float32, device=CPU).kind == "staged"
+    assert plan_ring(bf16, requested="auto", dtype=mx.bfloat16, device=APPLE).kind == "unified"
+    assert plan_ring(f32, requested="auto", dtype=mx.bfloat16, device=APPLE).kind == "staged"
+    big = cuda(10**12)
+    assert plan_ring(bf16, requested="auto", dtype=mx.bfloat16, device=big).kind == "staged"
+    assert plan_ring(f32, requested="staged", dtype=mx.float32, device=CPU).kind == "staged"
+    with pytest.raises(SmoeError, match="CUDA GPU.*--ring staged"):
+        plan_ring(bf16, requested="unified", dtype=mx.bfloat16, device=big)
+    with pytest.raises(SmoeError, match=r"\(bfloat16\).*\(float32\).*--dtype float32"):
+        plan_ring(bf16, requested="unified", dtype=mx.float32, device=CPU)
+    with pytest.raises(SmoeError, match="auto, unified or staged"):
+        plan_ring(bf16, requested="fast", dtype=mx.float32, device=CPU)
+
+
+def test_a_staged_slot_takes_its_components_in_the_compute_dtype(vaults):
+    m = vaults["bf16"].manifest
+    staged = plan_ring(vaults["bf16"], requested="auto", dtype=mx.float32, device=CPU, slots=4)
+    floats = sum(c.nbytes for c in m.record.components if c.dtype == "bfloat16")
+    packed = sum(c.nbytes for c in m.record.components if c.dtype != "bfloat16")
+    assert staged.slot_bytes == packed + 2 * floats < m.record.stride  # no record padding
+    assert staged.nbytes == 4 * staged.slot_bytes
+
+
+def test_on_a_gpu_the_default_budget_is_its_free_memory(vaults):
+    """Every expert when the GPU holds them beside the backbone and KV room; else as many
+    as fit; the default never picks a ring that is then refused."""
+    v = vaults["bf16"]
+    m = v.manifest
+    every = plan_ring(v, requested="auto", dtype=mx.bfloat16, device=cuda(10**12))
+    assert every.slots == m.num_records
+    per_slot = every.slot_bytes
+    backbone = v.backbone_path.stat().st_size
+    kv = plan_module.kv_room(v.config(), mx.bfloat16, 1, 16)
+    free = int((backbone + kv + 5.5 * per_slot) / 0.9) + 1
+    device = cuda(free)
+    room = gpu_room(v, mx.bfloat16, device, max_batch=1, max_context=16)
+    assert 5 * per_slot <= room < 6 * per_slot
+    some = plan_ring(
+        v, requested="auto", dtype=mx.bfloat16, device=device, max_batch=1, max_context=16
+    )
+    assert some.slots == 5
+
+
+def test_impossible_gpu_budgets_name_the_fix(vaults):
+    v = vaults["bf16"]
+    tiny = cuda(v.backbone_path.stat().st_size)  # the backbone leaves no room
+    with pytest.raises(SmoeError, match="less than one layer's top-2.*--device cpu"):
+        plan_ring(v, requested="auto", dtype=mx.bfloat16, device=tiny)
+    per_slot = plan_ring(v, requested="auto", dtype=mx.bfloat16, device=cuda(10**12)).slot_bytes
+    some = next(
+        d
+        for d in (cuda(free) for free in range(10**5, 10**8, 1000))
+        if 3 * per_slot <= gpu_room(v, mx.bfloat16, d, 8, None) <= 5 * per_slot
+    )
+    with pytest.raises(SmoeError, match=r"does not fit this GPU.*--memory \d+KB or less"):
+        plan_ring(v, requested="auto", dtype=mx.bfloat16, device=some, memory=10 * per_slot)
+    big = cuda(10**12)
+    with pytest.raises(SmoeError, match="below one token's top-2"):
+        plan_ring(v, requested="auto", dtype=mx.bfloat16, device=big, slots=1)
+
+
+def test_suggested_sizes_never_exceed_the_room():
+    from smoe.units import parse_size
+
+    for n in (999, 1000, 12_345_678, 4_290_000_000, 10**12 + 7):
+        assert 0 < parse_size(plan_module._size_at_most(n)) <= n
+
+
+def test_kv_room_counts_every_sequence_of_the_context(vaults):
+    v = vaults["bf16"]
+    cfg = v.config()
+    one = plan_module.kv_room(cfg, mx.bfloat16, 1, 100)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg["num_key_value_heads"]
+    assert one == 100 * 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 2
+    assert plan_module.kv_room(cfg, mx.bfloat16, 8, 100) == 8 * one
+
+
+@pytest.mark.asyncio
+async def test_the_engine_builds_the_planned_ring(vaults):
+    async with Engine.open(vaults["bf16"].path, slots=3) as engine:
+        assert engine.ring.kind == "staged" and engine.ring.num_slots == 3
+    async with Engine.open(vaults["f32"].path, slots=3) as engine:
+        assert engine.ring.kind == "unified"
+    engine = Engine.open(vaults["bf16"].path, ring="unified")
+    with pytest.raises(SmoeError, match="--ring staged"):
+        await engine.__aenter__()
+    await engine.aclose()
