@@ -165,7 +165,9 @@ def _size_at_most(nbytes: int) -> str:
         return f"{nbytes // 10**8 / 10:g}GB"
     if nbytes >= 10**6:
         return f"{nbytes // 10**6}MB"
-    return f"{nbytes // 10**3}KB"
+    if nbytes >= 10**3:
+        return f"{nbytes // 10**3}KB"
+    return f"{nbytes}B"
 
 
 def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None) -> int:
