@@ -416,6 +416,33 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_resident(args: argparse.Namespace) -> int:
+    from smoe.aio import run
+    from smoe.bench.resident import bench_resident
+
+    report = run(
+        bench_resident(
+            str(args.vault),
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            chunk=args.prefill_chunk,
+            seed=args.seed,
+            device=args.device,
+            ring=args.ring,
+        )
+    )
+    print(json.dumps(report, indent=1))
+    e, r = report["engine"], report["mlx_lm"]
+    print(
+        f"decode {e['decode_tok_s']:.1f} vs mlx-lm {r['decode_tok_s']:.1f} tok/s "
+        f"({report['decode_ratio']:.2f}x); prefill {e['prefill_tok_s']:.1f} vs "
+        f"{r['prefill_tok_s']:.1f} tok/s ({report['prefill_ratio']:.2f}x); "
+        f"tokens equal: {report['tokens_equal']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from smoe.aio import run
     from smoe.bench.decode import bench_decode, bench_prefill
@@ -432,6 +459,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 spec=args.spec,
                 lookahead=args.lookahead,
+                device=args.device,
+                ring=args.ring,
             )
         )
     else:
@@ -442,6 +471,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 prompt_tokens=args.prompt_tokens,
                 workers=args.workers,
                 seed=args.seed,
+                device=args.device,
+                ring=args.ring,
             )
         )
     if args.plot and args.bench == "decode":
@@ -695,7 +726,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         bd = bsub.add_parser(name, help=doc)
         bd.add_argument("vault", type=Path)
-        bd.add_argument("--budgets", default="min,half,all")
+        bd.add_argument(
+            "--budgets",
+            default="min,half,all",
+            help="comma list of min, half, all, shares like 25%% or sizes like 2GB",
+        )
+        bd.add_argument("--device", choices=("cpu", "gpu"), default=None)
+        bd.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
         bd.add_argument("--prompt-tokens", type=int, default=prompt_default)
         bd.add_argument("--max-tokens", type=int, default=48)
         bd.add_argument("--workers", type=int, default=4)
@@ -709,6 +746,18 @@ def build_parser() -> argparse.ArgumentParser:
             help="write a PNG of the per-token time breakdown (needs smoe[plot])",
         )
         bd.set_defaults(func=cmd_bench_decode)
+
+    br = bsub.add_parser(
+        "resident", help="every expert resident: the engine against mlx-lm in memory"
+    )
+    br.add_argument("vault", type=Path)
+    br.add_argument("--prompt-tokens", type=int, default=256)
+    br.add_argument("--max-tokens", type=int, default=64)
+    br.add_argument("--prefill-chunk", type=int, default=64)
+    br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--device", choices=("cpu", "gpu"), default=None)
+    br.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+    br.set_defaults(func=cmd_bench_resident)
 
     bp = bsub.add_parser(
         "policy",

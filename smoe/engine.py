@@ -160,7 +160,8 @@ class Engine:
                 policy=policy,
             )
             loop = asyncio.get_running_loop()
-            self.slots = LoopSlots(self.scheduler, loop, self.ring)
+            every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
+            self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
             self._commit_queued = False
             if self.ring.kind == "staged":
                 self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
@@ -315,7 +316,7 @@ class Engine:
         sched = self.scheduler.stats
         return Meter(
             sched.bytes_read(),
-            sched.hits,
+            sched.hits + self.slots.resident_hits,
             sched.misses,
             self.slots.wait_seconds,
             self.tracer.unique_experts,

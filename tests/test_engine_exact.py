@@ -22,6 +22,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from smoe.compute.runner import SamplingParams
+from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
@@ -562,3 +563,32 @@ async def test_bfloat16_scales_are_converted_once_and_compute_the_same_bits(hf_d
             assert engine.ring.kind == "staged"
             assert np.array_equal(await engine.logits(prompt), want), slots
             assert await engine_generate(engine, prompt, DECODE_STEPS) == ref_tokens
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ring", ["unified", "staged"])
+async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quantized, ring):
+    """Once every expert is READY the engine pins them for good and routes on the device
+    (no host round trip per layer, as mlx-lm in memory): the same bits, and the hits and
+    distinct experts are still counted."""
+    vault, ref = quantized("qwen3_moe")
+    m = vault.manifest
+    prompt = _prompt(70, seed=6)
+    ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
+    async with Engine.open(vault.path, ring=ring) as engine:
+        assert engine.ring.num_slots == m.num_records
+        for spec in m.layers:
+            engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(8)))
+        assert await engine.logits(prompt[:3]) is not None  # the next reservation pins all
+        assert all(engine.slots.resident_table(s.layer) is not None for s in m.layers)
+        assert engine.scheduler.holders() == {RESIDENT: m.num_records}
+        assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
+        step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
+        for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
+            assert np.array_equal(a, b), i
+        reads = engine.scheduler.stats.misses
+        stats = None
+        async for ev in engine.generate(prompt, max_tokens=DECODE_STEPS, temperature=0.0):
+            stats = ev.stats or stats
+        assert stats.hit_rate == 1.0 and stats.hits > 0 and stats.bytes_read == 0
+        assert engine.scheduler.stats.misses == reads

@@ -30,19 +30,18 @@ async def _run(
     max_tokens: int,
     workers: int,
     warm: bool = False,
-    spec: int = 0,
-    lookahead: bool = True,
+    **options: Any,
 ) -> Any:
-    async with Engine.open(
-        vault.path, slots=slots, workers=workers, spec=spec, lookahead=lookahead
-    ) as engine:
+    """One fresh engine: (stats of a generation, the ring, whether reads were direct).
+    ``warm``: generate once first, so the measured pass finds its experts resident."""
+    async with Engine.open(vault.path, slots=slots, workers=workers, **options) as engine:
         if warm:  # fill the ring first: then the measured pass does no I/O
             async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 pass
         stats = None
         async for ev in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
             stats = ev.stats or stats
-        return stats, engine.ring.huge_pages, engine.reader.direct
+        return stats, engine.ring, engine.reader.direct
 
 
 def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) -> float:
@@ -62,47 +61,56 @@ async def bench_decode(
     seed: int = 0,
     spec: int = 0,
     lookahead: bool = True,
+    device: str | None = None,
+    ring: str = "auto",
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
     rng = random.Random(seed)
     prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    options: dict[str, Any] = {"device": device, "ring": ring}
     bandwidth = raw_bandwidth(vault, workers, seed=seed)
-    warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, warm=True)
+    warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
     compute_s = 1.0 / warm.decode_tok_s
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, huge, direct = await _run(
-            vault, slots, prompt, max_tokens, workers, spec=spec, lookahead=lookahead
+        stats, the_ring, direct = await _run(
+            vault, slots, prompt, max_tokens, workers, spec=spec, lookahead=lookahead, **options
         )
         per_token = 1.0 / stats.decode_tok_s
         io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
         bound = max(io_s, compute_s)
-        wait = stats.decode_io_wait_share * per_token
+        copy = stats.decode_copy_share * per_token
+        wait = max(stats.decode_io_wait_share * per_token - copy, 0.0)  # copies happen in waits
         rows.append(
             {
                 "budget": budget,
+                "ring": the_ring.kind,
                 "ring_slots": slots,
                 "ring_share_of_experts": round(slots / m.num_records, 3),
                 "decode_tok_s": round(stats.decode_tok_s, 3),
+                "ttft_s": round(stats.ttft_s, 4),
                 "time_per_token_s": round(per_token, 5),
                 "decode_hit_rate": round(stats.decode_hit_rate, 4),
                 "bytes_per_token": int(stats.decode_bytes_per_token),
+                "MB_per_token": round(stats.decode_bytes_per_token / 1e6, 2),
                 "io_bound_s": round(io_s, 5),
                 "compute_bound_s": round(compute_s, 5),
                 "physical_limit_s": round(bound, 5),
                 "ratio_to_limit": round(per_token / bound, 3),
                 "io_wait_s": round(wait, 5),
+                "copy_s": round(copy, 5),
                 "compute_s": round(compute_s, 5),
-                "other_s": round(max(per_token - wait - compute_s, 0.0), 5),
-                "huge_pages": huge,
+                "other_s": round(max(per_token - wait - copy - compute_s, 0.0), 5),
+                "huge_pages": getattr(the_ring, "huge_pages", None),
                 "direct_io": direct,
             }
         )
     return {
         "benchmark": "decode",
         "vault": str(vault.path),
+        "device": device or "default",
         "experts_bytes": m.experts_bytes,
         "record_bytes": m.record.size,
         "prompt_tokens": prompt_tokens,
@@ -112,12 +120,19 @@ async def bench_decode(
         "lookahead": lookahead,
         "raw_disk_GBps": round(bandwidth, 3),
         "compute_per_token_s": round(compute_s, 5),
+        "resident_decode_tok_s": round(warm.decode_tok_s, 3),
         "runs": rows,
     }
 
 
 async def bench_prefill(
-    vault_path: str, budgets: list[str], prompt_tokens: int = 256, workers: int = 4, seed: int = 0
+    vault_path: str,
+    budgets: list[str],
+    prompt_tokens: int = 256,
+    workers: int = 4,
+    seed: int = 0,
+    device: str | None = None,
+    ring: str = "auto",
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
@@ -126,7 +141,9 @@ async def bench_prefill(
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, huge, direct = await _run(vault, slots, prompt, 1, workers)
+        stats, the_ring, direct = await _run(
+            vault, slots, prompt, 1, workers, device=device, ring=ring
+        )
         rows.append(
             {
                 "budget": budget,
@@ -137,7 +154,8 @@ async def bench_prefill(
                 "bytes_per_prompt_token": int(stats.prefill_bytes / prompt_tokens),
                 "unique_experts_per_chunk_layer_sum": stats.prefill_unique_experts,
                 "hit_rate": round(stats.hit_rate, 4),
-                "huge_pages": huge,
+                "ring": the_ring.kind,
+                "huge_pages": getattr(the_ring, "huge_pages", None),
                 "direct_io": direct,
             }
         )

@@ -12,12 +12,14 @@ import random
 from typing import Any
 
 from smoe.engine import Engine
+from smoe.errors import SmoeError
 from smoe.units import parse_size
 from smoe.vault.format import Vault
 
 
 def budget_slots(vault: Vault, budget: str) -> int:
-    """'min' (one token's top-k), 'half' (half the experts), 'all', or a size like 2GB."""
+    """'min' (one token's top-k), 'half' (half the experts), 'all', a share of the experts
+    like '25%', or a size like 2GB (in records of the vault's stride)."""
     m = vault.manifest
     top_k = int(m.topology["experts_per_token"])
     if budget == "min":
@@ -26,6 +28,14 @@ def budget_slots(vault: Vault, budget: str) -> int:
         return max(top_k, m.num_records // 2)
     if budget == "all":
         return m.num_records
+    if budget.endswith("%"):
+        try:
+            share = float(budget[:-1]) / 100
+        except ValueError:
+            raise SmoeError(f"cannot read budget {budget!r}; write it like 25%") from None
+        if not 0 < share <= 1:
+            raise SmoeError(f"budget {budget} must be a share in (0%, 100%]")
+        return max(top_k, min(m.num_records, round(share * m.num_records)))
     return max(top_k, min(m.num_records, parse_size(budget) // m.record.stride))
 
 

@@ -136,3 +136,27 @@ def build_model(
             tracer.first_layer = layers[0]
         tracer.next_layer = dict(zip(layers, layers[1:], strict=False))
     return model
+
+
+def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
+    """mlx-lm's model for ``vault`` with every weight in memory, experts included (read
+    back from the records): the in-memory reference benchmarks compare the engine with.
+    Float weights other than quantization scales/biases are cast to ``compute_dtype``, as
+    ``build_model`` casts the backbone. Needs memory for the whole model."""
+    from smoe.vault.export import read_layer
+
+    config = vault.config()
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(mx.load(str(vault.backbone_path)))
+    for spec in vault.manifest.layers:
+        for name, a in read_layer(vault, spec.layer).items():
+            weights[f"{spec.module}.{name}"] = a
+    _quantize_like_mlx_lm(model, config, weights)
+    for name, a in weights.items():
+        if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
+            weights[name] = a.astype(compute_dtype)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model

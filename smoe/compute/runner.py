@@ -87,6 +87,11 @@ class Runner:
         if self.tracer is not None:
             self.tracer.phase = phase
 
+    def _counted(self) -> None:
+        """After a forward pass is evaluated: count the routing it deferred."""
+        if self.tracer is not None and self.tracer.deferred:
+            self.tracer.flush()
+
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
@@ -102,6 +107,7 @@ class Runner:
                 out.append(y[0])
             else:
                 mx.eval([c.state for c in cache])  # the layers, not the LM head
+            self._counted()
         return mx.concatenate(out, axis=0) if logits else None
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -174,13 +180,17 @@ class Runner:
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         seq.cache, seq.cached = self.new_cache(), 0
+        if self.tracer is not None:
+            self.tracer.deferred.clear()  # that pass's routing is not counted
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
         self._phase(1)
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
         seq.cached = len(seq.tokens)
-        return np.array(y[0, -1].astype(mx.float32))
+        out = np.array(y[0, -1].astype(mx.float32))
+        self._counted()
+        return out
 
     def copy(self, seq: Sequence_) -> Sequence_:
         """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
@@ -199,6 +209,7 @@ class Runner:
         try:
             y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)  # [1, 1, V]
             mx.eval(y)
+            self._counted()
         except BaseException:
             self.reset(seq)
             raise
@@ -230,6 +241,7 @@ class Runner:
         try:
             y = self.model(tokens, cache=caches)  # [B, 1, V]
             mx.eval(y)
+            self._counted()
         except BaseException:
             for s in seqs:
                 self.reset(s)

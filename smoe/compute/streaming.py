@@ -57,6 +57,15 @@ class SlotSource(Protocol):
         """Drop queued speculative reads that have not started."""
         ...
 
+    def resident_table(self, layer: int) -> mx.array | None:
+        """Once every expert is resident for good: [E] uint32 slot (in the one bank) of
+        each expert of ``layer``, on the device; else None."""
+        ...
+
+    def count_resident(self, unique_experts: int) -> None:
+        """Count experts served by resident tables (hits the scheduler never saw)."""
+        ...
+
 
 @dataclass
 class LayerTrace:
@@ -86,10 +95,31 @@ class Tracer:
     lookahead_hits: int = 0
     lookahead_total: int = 0
     unique_experts: int = 0  # distinct experts summed over every (pass, MoE layer)
+    # Routing of layers served from resident tables, counted after the pass (no sync).
+    deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
 
     @property
     def lookahead_recall(self) -> float:
         return self.lookahead_hits / self.lookahead_total if self.lookahead_total else 0.0
+
+    def needs_routing_now(self) -> bool:
+        """Whether a layer's routing must reach the host during the pass (archives,
+        test hooks and gate-echo bets read it there)."""
+        return self.recorder is not None or self.on_routing is not None or bool(self.spec)
+
+    def flush(self) -> None:
+        """Count the deferred routing of the pass just evaluated (popularity, distinct
+        experts, traces); call after each forward pass has been evaluated."""
+        deferred, self.deferred = self.deferred, []
+        for layer, indices, source in deferred:
+            idx = np.array(indices)
+            flat = idx.reshape(-1, idx.shape[-1])
+            if self.popularity is not None:
+                self.popularity.add(layer, flat)
+            unique = len(np.unique(flat))
+            source.count_resident(unique)
+            self.calls.append(LayerTrace(layer, flat.shape[0], unique, 1, unique))
+            self.unique_experts += unique
 
 
 class RouterTap(nn.Module):
@@ -157,8 +187,16 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
-        idx = np.array(indices)  # evaluates the routing from the true hidden state
         tracer = self._tracer
+        table = self._source.resident_table(self.layer)
+        if table is not None and not (tracer is not None and tracer.needs_routing_now()):
+            # Every expert is resident for good: no reads to schedule, so the routing
+            # need not reach the host; the slot ids are gathered on the device, and
+            # mlx-lm's call is the same one it makes in memory.
+            if tracer is not None:
+                tracer.deferred.append((self.layer, indices, self._source))
+            return self._inners[0](x, table[indices])
+        idx = np.array(indices)  # evaluates the routing from the true hidden state
         bets = None
         if tracer is not None:
             flat = idx.reshape(-1, idx.shape[-1])

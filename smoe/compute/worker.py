@@ -56,12 +56,19 @@ class LoopSlots:
         scheduler: ExpertScheduler,
         loop: asyncio.AbstractEventLoop,
         ring: ExpertRing | None = None,
+        every_key: list[tuple[int, int]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.loop = loop
         self.ring = ring
         self.wait_seconds = 0.0
         self.acquires = 0
+        # Every (layer, expert) of the vault: once all are READY (a ring that holds the
+        # whole model) they are pinned for good and served from device tables.
+        self._every_key = every_key
+        self._resident: dict[int, Any] | None = None  # layer -> [E] uint32 slots
+        self._resident_slots: dict[tuple[int, int], int] | None = None  # set on the loop
+        self.resident_hits = 0
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         lease = self.reserve(layer, experts)
@@ -72,15 +79,46 @@ class LoopSlots:
         """Pin slots and queue the misses; return at once (the reads go on)."""
         self.acquires += 1
         reservation, ready = self._wait(self._reserve(layer, experts))
+        if self._resident is None and self._resident_slots is not None:
+            self._install_resident_tables(self._resident_slots)
         return Lease(self, reservation, ready)
 
     async def _reserve(self, layer: int, experts: list[int]) -> tuple[Reservation, list[bool]]:
         """On the loop: the reservation and which of its slots are READY, read together.
         A slot read as READY landed before this returned, so the ring commits it before
         ``_wait`` does (a snapshot taken later, from this thread, could see a slot READY
-        whose landing is not committed yet). A pinned READY slot cannot change after."""
+        whose landing is not committed yet). A pinned READY slot cannot change after.
+        Once the ring holds every expert, they are pinned for good here."""
         reservation = await self.scheduler.reserve(layer, experts, owner=self)
+        every = self._every_key
+        if (
+            every is not None
+            and self._resident_slots is None
+            and self.scheduler.fill() == len(every)
+        ):
+            slots = self.scheduler.pin_ready(every, owner=RESIDENT)
+            if slots is not None:
+                self._resident_slots = dict(zip(every, slots, strict=True))
         return reservation, reservation.ready()
+
+    def _install_resident_tables(self, slots: dict[tuple[int, int], int]) -> None:
+        """Compute thread: per layer, the device table expert -> slot (one bank only)."""
+        import mlx.core as mx
+
+        if self.ring is None or len(self.ring.banks()) != 1:
+            self._resident = {}
+            return
+        experts = 1 + max(e for _, e in slots)
+        tables: dict[int, list[int]] = {}
+        for (layer, expert), slot in slots.items():
+            tables.setdefault(layer, [0] * experts)[expert] = slot
+        self._resident = {layer: mx.array(t, dtype=mx.uint32) for layer, t in tables.items()}
+
+    def resident_table(self, layer: int) -> Any:
+        return None if self._resident is None else self._resident.get(layer)
+
+    def count_resident(self, unique_experts: int) -> None:
+        self.resident_hits += unique_experts
 
     def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
         start = time.perf_counter()
@@ -102,6 +140,9 @@ class LoopSlots:
 
     def cancel_speculative(self) -> None:
         self.loop.call_soon_threadsafe(self.scheduler.cancel_speculative)
+
+
+RESIDENT = "resident"  # the owner of the pins that keep a whole model in the ring
 
 
 class ComputeThread:

@@ -185,6 +185,10 @@ class ExpertScheduler:
             k[1] for k, s in self._where.items() if k[0] == layer and s.state is SlotState.READY
         }
 
+    def holders(self) -> dict[object, int]:
+        """Pins held, per owner (an empty dict when nothing is pinned)."""
+        return {owner: sum(c.values()) for owner, c in self._holdings.items()}
+
     def fill(self) -> int:
         """Slots holding a record (READY or LOADING)."""
         return len(self._where)
@@ -277,6 +281,21 @@ class ExpertScheduler:
             queued += 1
         self._pump()
         return queued
+
+    def pin_ready(self, keys: Iterable[Key], owner: object) -> list[int] | None:
+        """Pin the slots of ``keys`` for ``owner`` if every one is READY now (their slots,
+        in order); else pin nothing and return None. Never waits, never reads."""
+        self._check_open()
+        wanted = list(dict.fromkeys(keys))
+        found = [self._where.get(k) for k in wanted]
+        if any(s is None or s.state is not SlotState.READY for s in found):
+            return None
+        slots = [s.index for s in found if s is not None]
+        for s in found:
+            assert s is not None
+            s.pins += 1
+        self._holdings.setdefault(owner, Counter()).update(slots)
+        return slots
 
     def cancel_speculative(self, keep: Callable[[Key], bool] | None = None) -> int:
         """Drop queued (not yet started) speculative reads, except those ``keep`` accepts."""
