@@ -28,7 +28,7 @@ from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import GPU_MAX_ELEMENTS, ExpertRing
-from smoe.io.staged import StagedRing
+from smoe.io.staged import StagedRing, bounce_by_default
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.ring_plan import current_device, plan_ring
@@ -226,7 +226,7 @@ class Engine:
             self.dtype,
             landings=2 * self.options.workers,
             max_bank_elements=cap,
-            bounce=self._discrete_gpu(),  # O_DIRECT must not target CUDA managed memory
+            bounce=bounce_by_default(self._discrete_gpu()),  # CUDA: landings are managed
         )
 
     def _commit_soon(self) -> None:

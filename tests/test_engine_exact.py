@@ -222,10 +222,11 @@ class ShuffledReads:
     complete in a shuffled order and late enough to expose compute that does not wait for
     them. Logs each read in ``log`` (where log_routing logs each streamed call)."""
 
-    def __init__(self, inner, seed: int, log: list) -> None:
+    def __init__(self, inner, seed: int, log: list, slow: float = 0.5) -> None:
         self.inner = inner
         self.rng = random.Random(seed)
         self.log = log
+        self.slow = slow  # share of reads that also sleep a few ms
         self.in_flight = 0
         self.max_in_flight = 0
         self.started: list[int] = []
@@ -240,7 +241,7 @@ class ShuffledReads:
         try:
             for _ in range(self.rng.randint(0, 30)):
                 await asyncio.sleep(0)
-            if self.rng.random() < 0.5:  # a slow read: longer than computing a layer
+            if self.rng.random() < self.slow:  # a slow read: longer than computing a layer
                 await asyncio.sleep(self.rng.uniform(0, 0.004))
             nbytes = await self.inner.read(record, slot, priority)
             for _ in range(self.rng.randint(0, 30)):

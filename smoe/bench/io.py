@@ -36,7 +36,7 @@ from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader, open_direct
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
 from smoe.io.ring import GPU_MAX_ELEMENTS
-from smoe.io.staged import StagedRing
+from smoe.io.staged import StagedRing, bounce_by_default
 from smoe.io.unified import UnifiedRing
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
@@ -152,7 +152,7 @@ def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _
             dtype,
             landings=2 * workers,
             max_bank_elements=GPU_MAX_ELEMENTS if gpu else None,
-            bounce=discrete,
+            bounce=bounce_by_default(discrete),
         )
 
     committer = _Committer(build)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,16 @@ from smoe.units import format_bytes
 from smoe.vault.format import RECORD_ALIGN, Component, RecordLayout
 
 T = TypeVar("T")
+
+
+def bounce_by_default(discrete_gpu: bool) -> bool:
+    """Whether reads go through a per-thread bounce buffer: on a discrete GPU, unless
+    SMOE_STAGING=direct says to read straight into the landings (SMOE_STAGING=bounce forces
+    the bounce elsewhere too). docs/gpu.md has the measurements behind the default."""
+    choice = os.environ.get("SMOE_STAGING", "")
+    if choice in ("direct", "bounce"):
+        return choice == "bounce"
+    return discrete_gpu
 
 
 def target_dtype(c: Component, dtype: Any) -> Any:

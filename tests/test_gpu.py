@@ -1,0 +1,194 @@
+"""On a CUDA GPU: streaming through the staged ring gives mlx-lm's tokens, at every ring size.
+
+Run on the device machine (skipped elsewhere): ``python -m pytest -m gpu tests/test_gpu.py``.
+With SMOE_GPU_REPORT=FILE each comparison appends a JSON line there: greedy tokens equal or
+not, and how the logits differ (steps bit-identical, largest difference), the figures in
+docs/gpu.md. CUDA's kernels choose their algorithm by the call's shape (gather_qmm: a
+matrix-vector kernel below 8 rows, a tiled one above), so where the engine calls a kernel
+with another shape than mlx-lm (prefill waves at the minimum ring) bits may differ; tokens
+must not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from smoe.engine import Engine
+from smoe.synth import synthesize
+from smoe.vault.convert import ConvertOptions, convert
+from smoe.vault.export import export_mlx
+from smoe.compute.runner import SamplingParams
+from tests.test_engine_exact import ShuffledReads, greedy
+
+CUDA = mx.is_available(mx.gpu) and not mx.metal.is_available()
+# SMOE_GPU_TESTS_ON_CPU=1 runs them on the CPU (bfloat16, staged ring): a dry run of the code.
+RUN = CUDA or os.environ.get("SMOE_GPU_TESTS_ON_CPU") == "1"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not RUN, reason="needs a CUDA GPU")]
+ENGINE = {"ring": "staged", "dtype": "bfloat16"}  # what a CUDA GPU gets by default
+
+CHUNK = 64
+STEPS = 64
+ARCHS = ["qwen3_moe", "qwen2_moe"]  # qwen2_moe: a shared expert beside the routed ones
+
+
+def report(entry: dict) -> None:
+    path = os.environ.get("SMOE_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Factory: (vault, mlx-lm's model of it in GPU memory, bf16) per (arch, bits)."""
+    from mlx_lm.utils import load_model
+
+    cache: dict = {}
+
+    def get(arch: str, bits: int):
+        if (arch, bits) not in cache:
+            root = tmp_path_factory.mktemp(f"gpu-{arch}-{bits}")
+            src = synthesize(root / "hf", arch=arch, preset="demo", seed=1)
+            vault = convert(src, root / "v", ConvertOptions(bits=bits))
+            model, _ = load_model(export_mlx(vault, root / "mlx"))
+            cast = [
+                (n, a.astype(mx.bfloat16))
+                for n, a in tree_flatten(model.parameters())
+                if mx.issubdtype(a.dtype, mx.floating) and not n.endswith((".scales", ".biases"))
+            ]
+            model.load_weights(cast, strict=False)
+            mx.eval(model.parameters())
+            model.eval()
+            cache[arch, bits] = (vault, model)
+        return cache[arch, bits]
+
+    return get
+
+
+def reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """mlx-lm in memory with the engine's schedule: prompt[:-1] in chunks, then one token
+    at a time, greedy. Returns the tokens and each step's logits (float32)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    head = prompt[:-1]
+    for start in range(0, len(head), CHUNK):
+        model(mx.array(head[start : start + CHUNK])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    tokens, logits = list(prompt), []
+    for _ in range(steps):
+        y = model(mx.array(tokens[-1:])[None], cache=cache)[0, -1]
+        mx.eval(y)
+        logits.append(np.array(y.astype(mx.float32)))
+        tokens.append(greedy(y))
+    return tokens[len(prompt) :], logits
+
+
+async def forced_decode(
+    engine: Engine, prompt: list[int], forced: list[int]
+) -> tuple[list[np.ndarray], list[int]]:
+    """The engine's decode steps fed the reference's tokens: (float32 logits, greedy picks)."""
+    seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+
+    def step() -> mx.array:
+        y = engine.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)[0, -1]
+        mx.eval(y)
+        return y
+
+    logits, picks = [], []
+    for token in forced:
+        y = await engine.compute.run(step)
+        logits.append(np.array(y.astype(mx.float32)))
+        picks.append(greedy(y))
+        seq.tokens.append(token)
+    return logits, picks
+
+
+async def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    out = []
+    async for ev in engine.generate(prompt, max_tokens=n, temperature=0.0, stop_at_eos=False):
+        if ev.token is not None:
+            out.append(ev.token)
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bits", [4, 16])
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
+    if bits == 16 and not CUDA:
+        pytest.skip("MLX's CPU gather_mm computes float32 only")
+    vault, model = models(arch, bits)
+    m = vault.manifest
+    top_k = int(m.topology["experts_per_token"])
+    prompt = np.random.default_rng(7).integers(10, 4000, 100).tolist()
+    want_tokens, want_logits = reference(model, prompt, STEPS)
+    rings = {
+        "min": top_k,
+        "25%": max(top_k, m.num_records // 4),
+        "50%": m.num_records // 2,
+        "all": m.num_records,
+    }
+    for name, slots in rings.items():
+        async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
+            assert engine.ring.kind == "staged" and engine.dtype == mx.bfloat16
+            tokens = await generate(engine, prompt, STEPS)
+            got, picks = await forced_decode(engine, prompt, want_tokens)
+            diffs = [float(np.abs(a - b).max()) for a, b in zip(got, want_logits, strict=True)]
+            same_bits = sum(np.array_equal(a, b) for a, b in zip(got, want_logits, strict=True))
+            report(
+                {
+                    "test": "tokens_vs_mlx_lm",
+                    "arch": arch,
+                    "bits": bits,
+                    "ring": name,
+                    "slots": slots,
+                    "tokens_equal": tokens == want_tokens,
+                    "first_token_difference": next(
+                        (i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b), None
+                    ),
+                    "forced_picks_equal": picks == want_tokens,
+                    "steps_bit_identical": f"{same_bits}/{STEPS}",
+                    "max_logit_difference": max(diffs),
+                    "logit_scale": float(np.abs(np.stack(want_logits)).max()),
+                    "commits": engine.ring.commits,
+                }
+            )
+            assert tokens == want_tokens, (name, tokens, want_tokens)
+
+
+@pytest.mark.asyncio
+async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models):
+    """1,000 greedy tokens at the minimum ring (every layer's experts rewritten into the
+    same few device slots, reads completing in shuffled order) against every expert
+    resident: not one token differs."""
+    vault, _ = models("qwen3_moe", 4)
+    m = vault.manifest
+    prompt = np.random.default_rng(11).integers(10, 4000, 24).tolist()
+    n = 1000
+    async with Engine.open(vault.path, slots=m.num_records, **ENGINE) as engine:
+        want = await generate(engine, prompt, n)
+    top_k = int(m.topology["experts_per_token"])
+    async with Engine.open(vault.path, slots=top_k, workers=4, **ENGINE) as engine:
+        shuffled = ShuffledReads(engine.scheduler._backend, 0, [], slow=0.0)
+        engine.scheduler._backend = shuffled
+        got = await generate(engine, prompt, n)
+        commits = engine.ring.commits
+    wrong = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    report(
+        {
+            "test": "stress_min_ring",
+            "tokens": n,
+            "wrong_tokens": len(wrong),
+            "first_wrong": wrong[:5],
+            "commits": commits,
+            "reordered": shuffled.finished != shuffled.started,
+        }
+    )
+    assert not wrong and shuffled.finished != shuffled.started
