@@ -151,7 +151,12 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
                     "slots": slots,
                     "tokens_equal": tokens == want_tokens,
                     "first_token_difference": next(
-                        (i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b), None
+                        (
+                            i
+                            for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True))
+                            if a != b
+                        ),
+                        None,
                     ),
                     "forced_picks_equal": picks == want_tokens,
                     "steps_bit_identical": f"{same_bits}/{STEPS}",
