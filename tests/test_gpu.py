@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
-from smoe.compute.runner import SamplingParams
 from tests.test_engine_exact import ShuffledReads, greedy
 
 CUDA = mx.is_available(mx.gpu) and not mx.metal.is_available()
