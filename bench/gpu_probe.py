@@ -80,13 +80,13 @@ def slot_crc(ring: StagedRing, slot: int, layout: RecordLayout) -> int:
     return crc
 
 
-def probe_commits(dirpath: Path, bounce: bool, rounds: int) -> dict[str, Any]:
+def probe_commits(dirpath: Path, host: bool, bounce: bool, rounds: int) -> dict[str, Any]:
     layout = Q235
     n = 8
     path = dirpath / "records.bin"
     recs = records_file(path, layout, n)
     want = [zlib.crc32(r[: layout.size]) for r in recs]
-    ring = StagedRing(layout, 64, mx.bfloat16, landings=2, bounce=bounce)
+    ring = StagedRing(layout, 64, mx.bfloat16, landings=2, gpu_landings=host, bounce=bounce)
     fd, direct = open_direct(path)
     mismatches = 0
     read_s = commit_s = 0.0
@@ -112,6 +112,7 @@ def probe_commits(dirpath: Path, bounce: bool, rounds: int) -> dict[str, Any]:
         os.close(fd)
     mx.synchronize()
     return {
+        "landings_kept_on_host": ring.landings_on_host,
         "bounce": bounce,
         "direct_io": direct,
         "rounds": rounds,
@@ -126,66 +127,46 @@ def probe_commits(dirpath: Path, bounce: bool, rounds: int) -> dict[str, Any]:
 
 
 def probe_offsets() -> dict[str, Any]:
+    """gather_qmm over [S, 1536, 512] uint32 (4-bit [1536, 4096]) at the last 8 slots,
+    against a fresh contiguous copy of those slots: where do the kernels' offsets wrap?
+    2^31 unpacked 4-bit values are 341.3 slots; 2^31 bytes are 682.7 slots."""
     out: dict[str, Any] = {}
     x = mx.random.normal((1, 1, 1, 4096)).astype(mx.bfloat16)
-    for slots in (1024, 2048, 2800):  # uint32 weights: 3.1 MB/slot; 2^31 elements at 2731
+    for slots in (300, 340, 344, 680, 688, 1024):
         try:
             w = mx.random.randint(0, 2**31, (slots, 1536, 512)).astype(mx.uint32)
             s = (mx.random.normal((slots, 1536, 64)) * 0.01).astype(mx.bfloat16)
             b = (mx.random.normal((slots, 1536, 64)) * 0.01).astype(mx.bfloat16)
             mx.eval(w, s, b)
-            last = list(range(slots - 8, slots))
-            idx = mx.array([last], mx.uint32)
-            got = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4)
-            ws, ss, bs = w[slots - 8 :], s[slots - 8 :], b[slots - 8 :]
-            ref = mx.gather_qmm(
-                x,
-                ws,
-                ss,
-                bs,
-                rhs_indices=mx.array([list(range(8))], mx.uint32),
-                transpose=True,
-                group_size=64,
-                bits=4,
-            )
-            half = mx.gather_qmm(
-                x,
-                w,
-                s,
-                b,
-                rhs_indices=mx.array([last[:4]], mx.uint32),
-                transpose=True,
-                group_size=64,
-                bits=4,
-            )
-            out[f"gather_qmm_{slots}_slots"] = {
-                "weight_bytes": int(w.nbytes),
-                "weight_elements": int(w.size),
-                "equal_at_last_slots": bool(mx.array_equal(got, ref).item()),
-                "qmv_equal": bool(mx.array_equal(half, ref[:, :, :4]).item()),
-            }
-            del w, s, b
+            ws, ss, bs = w[slots - 8 :] + 0, s[slots - 8 :] * 1, b[slots - 8 :] * 1  # copies
+            mx.eval(ws, ss, bs)
+            row: dict[str, Any] = {"weight_bytes": int(w.nbytes)}
+            for n in (8, 4):  # 8 rows: the tiled kernel; 4: the matrix-vector one
+                got = mx.gather_qmm(
+                    x,
+                    w,
+                    s,
+                    b,
+                    rhs_indices=mx.array([list(range(slots - n, slots))], mx.uint32),
+                    transpose=True,
+                    group_size=64,
+                    bits=4,
+                )
+                ref = mx.gather_qmm(
+                    x,
+                    ws,
+                    ss,
+                    bs,
+                    rhs_indices=mx.array([list(range(8 - n, 8))], mx.uint32),
+                    transpose=True,
+                    group_size=64,
+                    bits=4,
+                )
+                row[f"equal_{n}_rows"] = bool(mx.array_equal(got, ref).item())
+            out[f"gather_qmm_{slots}_slots"] = row
+            del w, s, b, ws, ss, bs
         except Exception as e:  # reported, not fatal: this is what the probe is for
             out[f"gather_qmm_{slots}_slots"] = {"error": str(e)[:300]}
-        mx.clear_cache()
-    for slots in (300, 360):  # bf16 weights [S, 1536, 4096]: 2^31 elements at 341 slots
-        try:
-            w = (mx.random.normal((slots, 1536, 4096)) * 0.01).astype(mx.bfloat16)
-            mx.eval(w)
-            last = list(range(slots - 8, slots))
-            got = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=mx.array([last], mx.uint32))
-            ref = mx.gather_mm(
-                x,
-                w[slots - 8 :].swapaxes(-1, -2),
-                rhs_indices=mx.array([list(range(8))], mx.uint32),
-            )
-            out[f"gather_mm_bf16_{slots}_slots"] = {
-                "elements": int(w.size),
-                "equal_at_last_slots": bool(mx.array_equal(got, ref).item()),
-            }
-            del w
-        except Exception as e:
-            out[f"gather_mm_bf16_{slots}_slots"] = {"error": str(e)[:300]}
         mx.clear_cache()
     return out
 
@@ -201,9 +182,13 @@ def main() -> None:
         "device": str(mx.default_device()),
         "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, str))},
     }
-    for bounce in (False, True):
-        report[f"commits_bounce_{bounce}"] = probe_commits(args.dir, bounce, args.rounds)
-        print(json.dumps(report[f"commits_bounce_{bounce}"]), file=sys.stderr, flush=True)
+    for name, host, bounce in (
+        ("managed_direct", False, False),
+        ("host_direct", True, False),
+        ("host_bounce", True, True),
+    ):
+        report[f"commits_{name}"] = probe_commits(args.dir, host, bounce, args.rounds)
+        print(json.dumps(report[f"commits_{name}"]), file=sys.stderr, flush=True)
     report["offsets"] = probe_offsets()
     print(json.dumps(report, indent=1))
 

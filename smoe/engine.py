@@ -27,8 +27,8 @@ from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
-from smoe.io.ring import GPU_MAX_ELEMENTS, ExpertRing
-from smoe.io.staged import StagedRing, bounce_by_default
+from smoe.io.ring import ExpertRing
+from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.ring_plan import current_device, plan_ring
@@ -158,6 +158,11 @@ class Engine:
                 workers=o.workers,
                 runway=o.workers,  # each worker finds its next read queued (docs/architecture.md)
                 policy=policy,
+                # A ring holding every expert keeps each at its record's index: a layer's
+                # experts stay in one bank (one call), as mlx-lm holds them.
+                home=(lambda k: m.record_index(*k))
+                if self.ring.num_slots >= m.num_records
+                else None,
             )
             loop = asyncio.get_running_loop()
             every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
@@ -217,16 +222,14 @@ class Engine:
         layout = self.vault.manifest.record
         if kind == "unified":
             return UnifiedRing(layout, slots)
-        cap = self.options.bank_elements
-        if cap is None and self._device == mx.gpu:
-            cap = GPU_MAX_ELEMENTS
-        return StagedRing(
-            layout,
+        return StagedRing.for_vault(
+            self.vault.manifest,
             slots,
             self.dtype,
-            landings=2 * self.options.workers,
-            max_bank_elements=cap,
-            bounce=bounce_by_default(self._discrete_gpu()),  # CUDA: landings are managed
+            workers=self.options.workers,
+            gpu=self._device == mx.gpu,
+            discrete=self._discrete_gpu(),
+            max_bank_elements=self.options.bank_elements,
         )
 
     def _commit_soon(self) -> None:

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
+from smoe.io.staged import logical_elements
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
 from smoe.vault.format import Vault
@@ -533,7 +534,7 @@ async def test_banks_of_the_staged_ring_change_no_bit(quantized):
     bank's (token, rank) pairs and puts them back in place."""
     vault, ref = quantized("qwen3_moe")
     m = vault.manifest
-    per_slot = max(int(np.prod(c.shape)) for c in m.record.components)
+    per_slot = max(logical_elements(c, 4) for c in m.record.components)
     prompt = _prompt(70, seed=4)
     want = reference_logits(ref, prompt)
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
@@ -593,3 +594,27 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
             stats = ev.stats or stats
         assert stats.hit_rate == 1.0 and stats.hits > 0 and stats.bytes_read == 0
         assert engine.scheduler.stats.misses == reads
+
+
+@pytest.mark.asyncio
+async def test_a_whole_model_ring_in_banks_keeps_each_layer_in_one_bank(quantized):
+    """On a GPU a ring holding the model is split into banks (32-bit kernel offsets). Each
+    expert then lives at its record's index and banks hold whole layers, so each layer is
+    served by one call on one bank's device table: the same bits."""
+    vault, ref = quantized("qwen3_moe")
+    m = vault.manifest
+    per_slot = max(logical_elements(c, 4) for c in m.record.components)
+    prompt = _prompt(70, seed=7)
+    async with Engine.open(
+        vault.path, ring="staged", bank_elements=(m.num_experts + 3) * per_slot
+    ) as engine:
+        assert engine.ring.bank_slots == m.num_experts  # rounded down to whole layers
+        for spec in m.layers:
+            engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(8)))
+        for spec in m.layers:
+            for e in range(m.num_experts):
+                assert engine.scheduler.slot_of((spec.layer, e)) == m.record_index(spec.layer, e)
+        assert await engine.logits(prompt[:3]) is not None
+        tables = {s.layer: engine.slots.resident_table(s.layer) for s in m.layers}
+        assert sorted(bank for bank, _ in tables.values()) == [0, 1]
+        assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))

@@ -409,3 +409,15 @@ async def test_randomized_stress(seed, runway):
     sched.check_invariants()
     assert all(s.pins == 0 for s in sched._slots)
     assert outcomes["ok"] > 5, outcomes
+
+
+async def test_a_key_goes_to_its_home_slot_when_it_is_empty():
+    be = ControlledBackend(auto=True)
+    sched = ExpertScheduler(
+        8, be, record_of=record_of, record_bytes=100, workers=2, home=lambda k: 7 - k[1]
+    )
+    assert await sched.acquire(0, [0, 3]) == [7, 4]
+    sched.prefetch(0, [1])
+    await settle()
+    assert sched.slot_of((0, 1)) == 6
+    sched.check_invariants()

@@ -10,5 +10,5 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())"
   time python3 bench/gpu_probe.py --rounds ${PROBE_ROUNDS:-200} > "$OUT/probe.json"
   SMOE_GPU_REPORT="$OUT/gpu_tests.jsonl" timeout ${TEST_TIMEOUT:-420} \
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=8 -x
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=8
 } 2>&1 | tee "$OUT/phase_a.log"

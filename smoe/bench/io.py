@@ -35,8 +35,7 @@ import numpy as np
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader, open_direct
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import GPU_MAX_ELEMENTS
-from smoe.io.staged import StagedRing, bounce_by_default
+from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
@@ -146,14 +145,7 @@ def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _
     dtype = mx.bfloat16 if gpu else mx.float32
 
     def build() -> StagedRing:
-        return StagedRing(
-            m.record,
-            slots,
-            dtype,
-            landings=2 * workers,
-            max_bank_elements=GPU_MAX_ELEMENTS if gpu else None,
-            bounce=bounce_by_default(discrete),
-        )
+        return StagedRing.for_vault(m, slots, dtype, workers=workers, gpu=gpu, discrete=discrete)
 
     committer = _Committer(build)
     return committer.ring, committer

@@ -57,9 +57,9 @@ class SlotSource(Protocol):
         """Drop queued speculative reads that have not started."""
         ...
 
-    def resident_table(self, layer: int) -> mx.array | None:
-        """Once every expert is resident for good: [E] uint32 slot (in the one bank) of
-        each expert of ``layer``, on the device; else None."""
+    def resident_table(self, layer: int) -> tuple[int, mx.array] | None:
+        """Once every expert is resident for good: the bank holding ``layer``'s experts and
+        the [E] uint32 slot in it of each, on the device; else None."""
         ...
 
     def count_resident(self, unique_experts: int) -> None:
@@ -111,9 +111,12 @@ class Tracer:
         """Count the deferred routing of the pass just evaluated (popularity, distinct
         experts, traces); call after each forward pass has been evaluated."""
         deferred, self.deferred = self.deferred, []
-        for layer, indices, source in deferred:
-            idx = np.array(indices)
-            flat = idx.reshape(-1, idx.shape[-1])
+        if not deferred:
+            return
+        # One transfer for the whole pass: [layers, tokens * k] -> host
+        everything = np.array(mx.stack([i.reshape(-1) for _, i, _ in deferred]))
+        for (layer, indices, source), row in zip(deferred, everything, strict=True):
+            flat = row.reshape(-1, indices.shape[-1])
             if self.popularity is not None:
                 self.popularity.add(layer, flat)
             unique = len(np.unique(flat))
@@ -188,14 +191,15 @@ class StreamingExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
         tracer = self._tracer
-        table = self._source.resident_table(self.layer)
-        if table is not None and not (tracer is not None and tracer.needs_routing_now()):
+        resident = self._source.resident_table(self.layer)
+        if resident is not None and not (tracer is not None and tracer.needs_routing_now()):
             # Every expert is resident for good: no reads to schedule, so the routing
             # need not reach the host; the slot ids are gathered on the device, and
             # mlx-lm's call is the same one it makes in memory.
             if tracer is not None:
                 tracer.deferred.append((self.layer, indices, self._source))
-            return self._inners[0](x, table[indices])
+            bank, table = resident
+            return self._inners[bank](x, table[indices])
         idx = np.array(indices)  # evaluates the routing from the true hidden state
         bets = None
         if tracer is not None:
@@ -235,10 +239,12 @@ class StreamingExperts(nn.Module):
             self._tracer.unique_experts += len(experts)
         return y
 
-    def _run(self, x: mx.array, idx: np.ndarray, experts: list[int]) -> mx.array:
+    def _run(
+        self, x: mx.array, idx: np.ndarray, experts: list[int], sort: bool = False
+    ) -> mx.array:
         slots = self._source.acquire(self.layer, experts)
         try:
-            return self._compute(x, idx, experts, slots)
+            return self._compute(x, idx, experts, slots, sort)
         finally:
             self._source.release(slots)
 
@@ -307,34 +313,44 @@ class StreamingExperts(nn.Module):
                 pending = [i for i in pending if i not in ready]
                 part = [experts[i] for i in ready]
                 slots = [lease.slots[i] for i in ready]
-                parts.add(part, lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s))
+                parts.add(
+                    part, lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s, parts.sorted)
+                )
                 ready = []
             return parts.result(), resident
         finally:
             self._source.release(lease.slots)
 
     def _compute(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], slots: list[int]
+        self,
+        x: mx.array,
+        idx: np.ndarray,
+        experts: list[int],
+        slots: list[int],
+        sort: bool = False,
     ) -> mx.array:
         """mlx-lm's expert computation on ring slots; evaluated before returning.
 
         x: [..., D]; idx: [..., k] expert ids, each in ``experts``, whose slots are
         ``slots``. One call when the slots share a bank (as mlx-lm's call, ids remapped
-        to slots); else each (token, rank) pair is computed in its expert's bank."""
+        to slots); else each (token, rank) pair is computed in its expert's bank. ``sort``:
+        this is a part of a call mlx-lm makes with its rows sorted by expert (64 or more),
+        so the part is computed the same way whatever its size (``switch_call``)."""
         located = [self._locate(s) for s in slots]
         banks = sorted({b for b, _ in located})
         if len(banks) == 1:
             table = np.zeros(self.num_experts, dtype=np.uint32)
             table[experts] = [local for _, local in located]
-            y = self._inners[banks[0]](x, mx.array(table[idx]))
+            y = switch_call(self._inners[banks[0]], x, mx.array(table[idx]), sort)
             mx.eval(y)  # the matmuls must be done reading the slots before they are released
             return y
         parts = _Parts(x, idx)
+        sort = sort or parts.sorted
         for bank in banks:
             mine = [i for i, (b, _) in enumerate(located) if b == bank]
             part = [experts[i] for i in mine]
             slots_b = [slots[i] for i in mine]
-            parts.add(part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s))
+            parts.add(part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s, sort))
         return parts.result()
 
     def _run_in_waves(
@@ -350,7 +366,7 @@ class StreamingExperts(nn.Module):
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w))
+            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, parts.sorted))
             waves += 1
         return parts.result(), waves
 
@@ -363,6 +379,7 @@ class _Parts:
 
     def __init__(self, x: mx.array, idx: np.ndarray) -> None:
         # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
+        self.sorted = idx.size >= SORT_FROM  # mlx-lm would make this call sorted
         self.shape = idx.shape
         self.k = idx.shape[-1]
         self.flat_idx = idx.reshape(-1, self.k)  # [N, k]
@@ -412,3 +429,37 @@ def _clone(module: nn.Module) -> nn.Module:
         if isinstance(child, nn.Module):
             twin[name] = _clone(child)
     return twin
+
+
+# mlx-lm's SwitchGLU/SwitchMLP sort their rows by expert from this many (token, rank) pairs.
+SORT_FROM = 64
+
+
+def switch_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) -> mx.array:
+    """``module(x, indices)``, or with ``sort`` the same computation with its rows sorted
+    by expert even when there are fewer than SORT_FROM of them.
+
+    A part of a call that mlx-lm makes sorted (a wave, the experts of one bank, those
+    already resident) is then computed by the same kernels as in mlx-lm's call: on CUDA,
+    sorted and unsorted calls use different kernels (a grouped GEMM, a matrix-vector
+    product), whose rows round differently. The sorted path below is mlx-lm's own
+    (switch_layers.SwitchGLU/SwitchMLP.__call__ with do_sort forced), for those two classes.
+    """
+    from mlx_lm.models import switch_layers as sl
+
+    if not sort or indices.size >= SORT_FROM:
+        return module(x, indices)  # mlx-lm decides: the same choice it makes in memory
+    if not isinstance(module, sl.SwitchGLU | sl.SwitchMLP):
+        return module(x, indices)
+    x = mx.expand_dims(x, (-2, -3))
+    indices = mx.stop_gradient(indices)
+    x, idx, inv_order = sl._gather_sort(x, indices)
+    if isinstance(module, sl.SwitchGLU):
+        x_up = module.up_proj(x, idx, sorted_indices=True)
+        x_gate = module.gate_proj(x, idx, sorted_indices=True)
+        x = module.down_proj(module.activation(x_up, x_gate), idx, sorted_indices=True)
+    else:
+        x = module.fc2(
+            module.activation(module.fc1(x, idx, sorted_indices=True)), idx, sorted_indices=True
+        )
+    return sl._scatter_unsort(x, inv_order, indices.shape).squeeze(-2)

@@ -66,7 +66,7 @@ class LoopSlots:
         # Every (layer, expert) of the vault: once all are READY (a ring that holds the
         # whole model) they are pinned for good and served from device tables.
         self._every_key = every_key
-        self._resident: dict[int, Any] | None = None  # layer -> [E] uint32 slots
+        self._resident: dict[int, Any] | None = None  # layer -> (bank, [E] uint32 slots)
         self._resident_slots: dict[tuple[int, int], int] | None = None  # set on the loop
         self.resident_hits = 0
 
@@ -102,17 +102,22 @@ class LoopSlots:
         return reservation, reservation.ready()
 
     def _install_resident_tables(self, slots: dict[tuple[int, int], int]) -> None:
-        """Compute thread: per layer, the device table expert -> slot (one bank only)."""
+        """Compute thread: per layer whose experts share one bank, that bank and the device
+        table expert -> slot in it (layers split across banks keep the reserving path)."""
         import mlx.core as mx
 
-        if self.ring is None or len(self.ring.banks()) != 1:
-            self._resident = {}
+        self._resident = {}
+        if self.ring is None:
             return
         experts = 1 + max(e for _, e in slots)
-        tables: dict[int, list[int]] = {}
+        by_layer: dict[int, list[tuple[int, int]]] = {}
         for (layer, expert), slot in slots.items():
-            tables.setdefault(layer, [0] * experts)[expert] = slot
-        self._resident = {layer: mx.array(t, dtype=mx.uint32) for layer, t in tables.items()}
+            by_layer.setdefault(layer, [(0, 0)] * experts)[expert] = self.ring.locate(slot)
+        for layer, located in by_layer.items():
+            banks = {bank for bank, _ in located}
+            if len(banks) == 1:
+                table = mx.array([local for _, local in located], dtype=mx.uint32)
+                self._resident[layer] = (banks.pop(), table)
 
     def resident_table(self, layer: int) -> Any:
         return None if self._resident is None else self._resident.get(layer)

@@ -43,22 +43,29 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from smoe.io.cuda_host import keep_on_host
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import is_float, mx_dtype
+from smoe.io.ring import GPU_MAX_ELEMENTS, is_float, mx_dtype
 from smoe.units import format_bytes
-from smoe.vault.format import RECORD_ALIGN, Component, RecordLayout
+from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
 
 T = TypeVar("T")
 
 
-def bounce_by_default(discrete_gpu: bool) -> bool:
-    """Whether reads go through a per-thread bounce buffer: on a discrete GPU, unless
-    SMOE_STAGING=direct says to read straight into the landings (SMOE_STAGING=bounce forces
-    the bounce elsewhere too). docs/gpu.md has the measurements behind the default."""
+def staging_override() -> bool | None:
+    """SMOE_STAGING=direct or bounce forces how reads reach the landings (docs/gpu.md);
+    None when unset."""
     choice = os.environ.get("SMOE_STAGING", "")
-    if choice in ("direct", "bounce"):
-        return choice == "bounce"
-    return discrete_gpu
+    return {"direct": False, "bounce": True}.get(choice)
+
+
+def logical_elements(c: Component, packed_bits: int | None) -> int:
+    """Elements a kernel indexes in one slot of ``c``: packed quantized weights count their
+    unpacked values (4-bit: 8 per uint32), as MLX's CUDA kernels address them."""
+    n = math.prod(c.shape)
+    if packed_bits and c.dtype == "uint32" and c.name.endswith("weight"):
+        return n * (32 // packed_bits)
+    return n
 
 
 def target_dtype(c: Component, dtype: Any) -> Any:
@@ -112,7 +119,10 @@ class StagedRing:
         *,
         landings: int = 8,
         max_bank_elements: int | None = None,
-        bounce: bool = False,
+        packed_bits: int | None = None,
+        bank_align: int = 1,
+        gpu_landings: bool = False,
+        bounce: bool | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"a ring needs at least one slot, got {num_slots}")
@@ -125,16 +135,7 @@ class StagedRing:
         self.stride = layout.stride
         self.dtype = dtype
         self._targets = [(c, target_dtype(c, dtype)) for c in layout.components]
-        per_slot = max(math.prod(c.shape) for c in layout.components)
-        if max_bank_elements is None:
-            self.bank_slots = num_slots
-        else:
-            if per_slot > max_bank_elements:
-                raise ValueError(
-                    f"one expert's component has {per_slot} elements, more than a bank's "
-                    f"{max_bank_elements}"
-                )
-            self.bank_slots = min(num_slots, max_bank_elements // per_slot)
+        self.bank_slots = self._bank_slots(max_bank_elements, packed_bits, bank_align)
         sizes = [self.bank_slots] * (num_slots // self.bank_slots)
         if num_slots % self.bank_slots:
             sizes.append(num_slots % self.bank_slots)
@@ -147,18 +148,30 @@ class StagedRing:
         mx.eval([list(b.values()) for b in self._banks])
         self.nbytes = num_slots * self.slot_bytes(layout, dtype)
 
-        # Landing buffers: host memory (the CPU stream's allocations; on CUDA, managed).
+        # Landing buffers: host memory (the CPU stream's allocations; on CUDA, managed memory,
+        # advised to stay on the host and be mapped for the GPU: smoe.io.cuda_host).
         self._landings: list[_Landing] = []
+        self.landings_on_host = gpu_landings
         for _ in range(landings):
             a = mx.zeros((self.stride // RECORD_ALIGN + 1, RECORD_ALIGN), mx.uint8, stream=mx.cpu)
             mx.eval(a)
             flat = np.asarray(a).reshape(-1)  # writable view of the MLX host buffer
             start = (-int(flat.ctypes.data)) % RECORD_ALIGN
-            if not bounce:  # O_DIRECT lands here: huge pages make it ~2.5x faster
+            if gpu_landings:
+                self.landings_on_host &= keep_on_host(int(flat.ctypes.data), flat.nbytes)
+            else:  # O_DIRECT lands here: huge pages make it ~2.5x faster
                 advise_huge_pages(int(flat.ctypes.data), flat.nbytes)
             self._landings.append(_Landing(a, flat[start : start + self.stride].data, start))
         self.host_bytes = landings * (self.stride + RECORD_ALIGN)
+        # Reads go through a per-thread bounce buffer only where landings could not be kept
+        # on the host for a GPU (or when SMOE_STAGING says so).
+        override = staging_override()
+        if bounce is None:
+            bounce = (
+                override if override is not None else gpu_landings and not self.landings_on_host
+            )
         self.bounce = bounce
+        self.huge_pages = not gpu_landings
         self._bounce_buffers = threading.local()
 
         self._cond = threading.Condition()
@@ -171,6 +184,54 @@ class StagedRing:
         self.commit_seconds = 0.0  # compute thread, committing
         self.landing_wait_seconds = 0.0  # I/O threads, waiting for a free landing buffer
         self.waiting_for_landing = 0  # I/O threads waiting for one now
+
+    def _bank_slots(self, max_elements: int | None, packed_bits: int | None, align: int) -> int:
+        """Slots per bank: all of them, or as many as keep every array below
+        ``max_elements`` (counted as the kernels count them), rounded down to a multiple of
+        ``align`` (whole MoE layers per bank where they fit: a layer's call then stays in
+        one bank)."""
+        if max_elements is None:
+            return self.num_slots
+        per_slot = max(logical_elements(c, packed_bits) for c in self.layout.components)
+        if per_slot > max_elements:
+            raise ValueError(
+                f"one expert's component has {per_slot} elements, more than a bank's {max_elements}"
+            )
+        fit = max_elements // per_slot
+        if fit >= align > 1:
+            fit -= fit % align
+        return min(self.num_slots, fit)
+
+    @classmethod
+    def for_vault(
+        cls,
+        manifest: Manifest,
+        num_slots: int,
+        dtype: Any,
+        *,
+        workers: int,
+        gpu: bool,
+        discrete: bool,
+        max_bank_elements: int | None = None,
+    ) -> StagedRing:
+        """The staged ring the engine builds for ``manifest`` on a device: landings for
+        twice the I/O workers; on a GPU, arrays below its kernels' 32-bit element offsets
+        (whole MoE layers per bank where they fit); on a discrete GPU, landings kept on
+        the host and mapped for it."""
+        experts = manifest.quantization.get("experts") or {}
+        bits = experts.get("bits") if isinstance(experts, dict) else None
+        if max_bank_elements is None and gpu:
+            max_bank_elements = GPU_MAX_ELEMENTS
+        return cls(
+            manifest.record,
+            num_slots,
+            dtype,
+            landings=2 * workers,
+            max_bank_elements=max_bank_elements,
+            packed_bits=int(bits) if isinstance(bits, int) else None,
+            bank_align=manifest.num_experts,
+            gpu_landings=discrete,
+        )
 
     @staticmethod
     def slot_bytes(layout: RecordLayout, dtype: Any) -> int:

@@ -121,6 +121,8 @@ class ExpertScheduler:
     what one read moves (for statistics). ``workers`` bounds reads in flight; ``runway``
     more are handed to the backend ahead of time, so that a worker that finishes a read
     finds its next one at once (the backend must take demand before speculation).
+    ``home(key)``: a slot to load ``key`` into when it is EMPTY (a ring that holds the whole
+    model keeps each layer's experts together), or None for any.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class ExpertScheduler:
         runway: int = 0,
         policy: str | EvictionPolicy = "lru",
         clock: Callable[[], float] = time.perf_counter,
+        home: Callable[[Key], int | None] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError("the ring needs at least one slot")
@@ -149,6 +152,7 @@ class ExpertScheduler:
         self._record_bytes = record_bytes
         self._workers = workers
         self._runway = runway
+        self._home = home
         self._in_flight = 0
         self._handed_speculative = 0  # of those in flight, handed as speculative reads
         self._tasks: set[asyncio.Task[None]] = set()
@@ -273,7 +277,7 @@ class ExpertScheduler:
             key = (layer, expert)
             if key in self._where:
                 continue
-            slot = self._free_slot(allow_cancel_speculative=False, exclude=())
+            slot = self._free_slot(allow_cancel_speculative=False, exclude=(), key=key)
             if slot is None:
                 break
             self._start_load(slot, key, Priority.SPECULATIVE)
@@ -363,7 +367,7 @@ class ExpertScheduler:
             else:
                 self.stats.misses += 1
                 slot = self._free_slot(
-                    allow_cancel_speculative=priority is Priority.DEMAND, exclude=wanted
+                    allow_cancel_speculative=priority is Priority.DEMAND, exclude=wanted, key=key
                 )
                 assert slot is not None, "room was checked before commit"
                 self._start_load(slot, key, priority)
@@ -376,9 +380,16 @@ class ExpertScheduler:
         self._pump()
         return Reservation(self, keys, slots, owner, _futures=futures)
 
-    def _free_slot(self, *, allow_cancel_speculative: bool, exclude: Iterable[Key]) -> Slot | None:
-        """An EMPTY slot, else the policy's victim among unpinned READY ones, else (demand
-        only) the slot of a queued speculative read, which is dropped."""
+    def _free_slot(
+        self, *, allow_cancel_speculative: bool, exclude: Iterable[Key], key: Key | None = None
+    ) -> Slot | None:
+        """``key``'s home slot if it has one and it is EMPTY, else an EMPTY slot, else the
+        policy's victim among unpinned READY ones, else (demand only) the slot of a queued
+        speculative read, which is dropped."""
+        if key is not None and self._home is not None:
+            home = self._home(key)
+            if home is not None and self._slots[home].state is SlotState.EMPTY:
+                return self._slots[home]
         excluded = set(exclude)
         ready: dict[Key, Slot] = {}
         for s in self._slots:
