@@ -113,9 +113,12 @@ class Tracer:
         deferred, self.deferred = self.deferred, []
         if not deferred:
             return
-        # One transfer for the whole pass: [layers, tokens * k] -> host
-        everything = np.array(mx.stack([i.reshape(-1) for _, i, _ in deferred]))
-        for (layer, indices, source), row in zip(deferred, everything, strict=True):
+        # One transfer for all of them: the routings, flattened end to end, to the host
+        everything = np.array(mx.concatenate([i.reshape(-1) for _, i, _ in deferred]))
+        ends = np.cumsum([i.size for _, i, _ in deferred])
+        for (layer, indices, source), row in zip(
+            deferred, np.split(everything, ends[:-1]), strict=True
+        ):
             flat = row.reshape(-1, indices.shape[-1])
             if self.popularity is not None:
                 self.popularity.add(layer, flat)

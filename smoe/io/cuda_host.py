@@ -57,4 +57,4 @@ def keep_on_host(address: int, nbytes: int, device: int = 0) -> bool:
         return False
     if host or mapped:
         log.debug("cudaMemAdvise refused: %s, %s", host, mapped)
-    return host == 0 and mapped == 0
+    return bool(host == 0 and mapped == 0)
