@@ -90,7 +90,7 @@ class EngineOptions:
     max_batch: int = 8  # generations decoded together (1: one at a time)
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
     ring: str = "auto"  # "unified", "staged" or "auto" (smoe.ring_plan)
-    bank_elements: int | None = None  # staged ring: elements per array (None: the device's)
+    bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -229,7 +229,7 @@ class Engine:
             workers=self.options.workers,
             gpu=self._device == mx.gpu,
             discrete=self._discrete_gpu(),
-            max_bank_elements=self.options.bank_elements,
+            max_bank_bytes=self.options.bank_bytes,
         )
 
     def _commit_soon(self) -> None:

@@ -24,7 +24,6 @@ from mlx.utils import tree_flatten
 from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
-from smoe.io.staged import logical_elements
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
 from smoe.vault.format import Vault
@@ -530,17 +529,17 @@ async def test_the_staged_ring_is_bit_identical_at_every_budget_under_shuffled_r
 @pytest.mark.asyncio
 async def test_banks_of_the_staged_ring_change_no_bit(quantized):
     """A staged ring split into banks (as on a GPU, where arrays stay below 2^31
-    elements) computes the same bits: a call whose experts sit in several banks runs each
+    bytes) computes the same bits: a call whose experts sit in several banks runs each
     bank's (token, rank) pairs and puts them back in place."""
     vault, ref = quantized("qwen3_moe")
     m = vault.manifest
-    per_slot = max(logical_elements(c, 4) for c in m.record.components)
+    per_slot = max(c.nbytes * (2 if "float" in c.dtype else 1) for c in m.record.components)
     prompt = _prompt(70, seed=4)
     want = reference_logits(ref, prompt)
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     for slots, per_bank in ((m.num_records, 3), (5, 2), (m.num_records, 1)):
         async with Engine.open(
-            vault.path, slots=slots, ring="staged", bank_elements=per_bank * per_slot
+            vault.path, slots=slots, ring="staged", bank_bytes=per_bank * per_slot
         ) as engine:
             assert len(engine.ring.banks()) == -(-slots // per_bank)
             assert np.array_equal(await engine.logits(prompt), want), (slots, per_bank)
@@ -603,10 +602,10 @@ async def test_a_whole_model_ring_in_banks_keeps_each_layer_in_one_bank(quantize
     served by one call on one bank's device table: the same bits."""
     vault, ref = quantized("qwen3_moe")
     m = vault.manifest
-    per_slot = max(logical_elements(c, 4) for c in m.record.components)
+    per_slot = max(c.nbytes * (2 if "float" in c.dtype else 1) for c in m.record.components)
     prompt = _prompt(70, seed=7)
     async with Engine.open(
-        vault.path, ring="staged", bank_elements=(m.num_experts + 3) * per_slot
+        vault.path, ring="staged", bank_bytes=(m.num_experts + 3) * per_slot
     ) as engine:
         assert engine.ring.bank_slots == m.num_experts  # rounded down to whole layers
         for spec in m.layers:

@@ -668,3 +668,56 @@ async def test_queued_demand_reads_start_before_queued_speculative_ones(q4):
         await asyncio.gather(busy, demand, *spec)
         order = [line.split()[1] for line in fake.log]
         assert order == ["1", "4", "2", "3"]  # demand first, then speculation in order
+
+
+def test_records_split_into_aligned_parts():
+    from smoe.io.direct import split_record
+
+    assert split_record(RECORD_ALIGN) == [(0, RECORD_ALIGN)]
+    big = 648 * RECORD_ALIGN  # a Qwen3-235B 4-bit record: 10.6 MB
+    parts = split_record(big)
+    assert len(parts) == 4 and parts[0][0] == 0 and parts[-1][1] == big
+    assert all(a % RECORD_ALIGN == 0 and b > a for a, b in parts)
+    assert all(p[1] == q[0] for p, q in zip(parts, parts[1:], strict=False))
+    assert split_record(3 * RECORD_ALIGN, parts=8) == [
+        (0, RECORD_ALIGN),
+        (RECORD_ALIGN, 2 * RECORD_ALIGN),
+        (2 * RECORD_ALIGN, 3 * RECORD_ALIGN),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_a_record_read_in_parts_lands_whole_and_errors_wait_for_every_part(
+    vaults, monkeypatch
+):
+    """Parts of one record are read at once by the worker and helper threads; every byte
+    lands, and a failing part raises only after the others have finished writing."""
+    vault = vaults["float"]  # records of several 16 KiB blocks: one part each
+    m = vault.manifest
+    ring = Ring(m.record, 2)
+    with DirectReader(vault, ring, workers=1, parts=4) as reader:
+        threads = set()
+
+        def spy(fd, buffers, offset):
+            threads.add(threading.current_thread().name)
+            return _real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", spy)
+        assert await reader.read(3, 1) == m.record.stride
+        assert len(threads) >= 2  # the worker and at least one helper
+        got = np.frombuffer(ring.slot_memory(1), np.uint8)[: m.record.size]
+        assert zlib.crc32(got) == m.checksums[3]
+
+        finished = []
+
+        def failing(fd, buffers, offset):
+            if offset % m.record.stride == RECORD_ALIGN:  # the second part fails at once
+                raise OSError(errno.EIO, "injected")
+            n = _real_preadv(fd, buffers, offset)
+            finished.append(offset)
+            return n
+
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(VaultReadError, match="injected"):
+            await reader.read(2, 0)
+        assert len(finished) == len(reader._parts) - 1 >= 2  # the others were waited for

@@ -90,14 +90,14 @@ def test_a_slot_landed_twice_before_a_commit_keeps_the_last():
 
 
 def test_banks_split_the_slots_and_never_alias_a_landing():
-    """Banks of at most max_bank_elements elements per array; a one-slot bank still
+    """Banks of at most max_bank_bytes per array; a one-slot bank still
     holds its record after the landing buffer is reused (MLX returns an update that
     covers a whole array as the update itself, so a bank has at least two rows)."""
-    per_slot = 256 * 128
-    ring = StagedRing(LAYOUT, 5, mx.float32, landings=1, max_bank_elements=2 * per_slot)
+    per_slot = 256 * 128 * 4  # the uint32 weight: the largest array
+    ring = StagedRing(LAYOUT, 5, mx.float32, landings=1, max_bank_bytes=2 * per_slot)
     assert [b["w"].shape[0] for b in ring.banks()] == [2, 2, 2]  # 2 + 2 + 1 (padded)
     assert [ring.locate(s) for s in range(5)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
-    one = StagedRing(LAYOUT, 3, mx.float32, landings=1, max_bank_elements=per_slot)
+    one = StagedRing(LAYOUT, 3, mx.float32, landings=1, max_bank_bytes=per_slot)
     land(one, 1, 5)
     one.commit()
     land(one, 0, 6)  # the same landing buffer, rewritten
@@ -105,7 +105,7 @@ def test_banks_split_the_slots_and_never_alias_a_landing():
     assert (np.array(one.banks()[1]["w"][0]).view(np.uint8) == 5).all()
     assert (np.array(one.banks()[0]["w"][0]).view(np.uint8) == 6).all()
     with pytest.raises(ValueError, match="more than a bank"):
-        StagedRing(LAYOUT, 3, mx.float32, max_bank_elements=per_slot - 1)
+        StagedRing(LAYOUT, 3, mx.float32, max_bank_bytes=per_slot - 1)
 
 
 def test_a_failed_read_gives_its_landing_back():

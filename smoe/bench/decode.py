@@ -19,6 +19,7 @@ from typing import Any
 
 from smoe.bench.generate import budget_slots
 from smoe.bench.io import baseline_run, drop_file_cache
+from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
 from smoe.vault.format import Vault
 
@@ -33,9 +34,11 @@ async def _run(
     **options: Any,
 ) -> Any:
     """One fresh engine: (stats of a generation, the ring, whether reads were direct).
-    ``warm``: generate once first, so the measured pass finds its experts resident."""
+    ``warm``: read every expert into the ring (which must hold them all) and generate once
+    first, so the measured pass does no I/O and its kernels are compiled."""
     async with Engine.open(vault.path, slots=slots, workers=workers, **options) as engine:
-        if warm:  # fill the ring first: then the measured pass does no I/O
+        if warm:
+            await fill_ring(engine)
             async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 pass
         stats = None

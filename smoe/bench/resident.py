@@ -18,6 +18,25 @@ from smoe.engine import Engine
 from smoe.vault.format import Vault
 
 
+async def fill_ring(engine: Engine) -> None:
+    """Read every expert into the engine's ring (which must hold them all), untimed."""
+    m = engine.vault.manifest
+    for spec in m.layers:
+        engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(m.num_experts)))
+
+
+def _better(best: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
+    """The best of two runs: the fastest decode and, apart, the shortest time to first
+    token (the first run of a process compiles kernels)."""
+    if best is None:
+        return run
+    out = run if run["decode_tok_s"] > best["decode_tok_s"] else dict(best)
+    if run["ttft_s"] < out["ttft_s"] or best["ttft_s"] < out["ttft_s"]:
+        fastest = min(run, best, key=lambda r: r["ttft_s"])
+        out = {**out, "ttft_s": fastest["ttft_s"], "prefill_tok_s": fastest["prefill_tok_s"]}
+    return out
+
+
 def _mlx_lm_run(
     vault: Vault, prompt: list[int], max_tokens: int, chunk: int, dtype: Any
 ) -> dict[str, Any]:
@@ -45,8 +64,7 @@ def _mlx_lm_run(
             "decode_tok_s": (len(tokens) - 1) / max(last - first, 1e-9),
             "tokens": tokens,
         }
-        if best is None or run["decode_tok_s"] > best["decode_tok_s"]:
-            best = run
+        best = _better(best, run)
     assert best is not None
     del model
     return best
@@ -59,9 +77,7 @@ async def _engine_run(
     async with Engine.open(
         vault.path, slots=m.num_records, prefill_chunk=chunk, **options
     ) as engine:
-        for spec in m.layers:  # every expert into the ring before anything is timed
-            slots = await engine.scheduler.acquire(spec.layer, range(m.num_experts))
-            engine.scheduler.release(slots)
+        await fill_ring(engine)
         best: dict[str, Any] | None = None
         for _ in range(2):
             tokens: list[int] = []
@@ -78,8 +94,7 @@ async def _engine_run(
                 "tokens": tokens,
                 "bytes_read": stats.bytes_read,
             }
-            if best is None or run["decode_tok_s"] > best["decode_tok_s"]:
-                best = run
+            best = _better(best, run)
         assert best is not None
         return best, engine.dtype
 

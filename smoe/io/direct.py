@@ -185,20 +185,42 @@ class _ReadQueue:
             return dropped
 
 
+PART_BYTES = 2 << 20  # a record is read in parts of at least this much, at most MAX_PARTS
+MAX_PARTS = 4
+
+
+def split_record(stride: int, parts: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) byte ranges a record of ``stride`` bytes is read in: ``parts`` of them
+    (default: one per PART_BYTES, at most MAX_PARTS), each a multiple of 16 KiB as
+    O_DIRECT needs."""
+    blocks = stride // RECORD_ALIGN
+    n = parts if parts is not None else min(MAX_PARTS, max(1, stride // PART_BYTES))
+    n = max(1, min(n, blocks))
+    edges = [blocks * i // n * RECORD_ALIGN for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 class DirectReader:
     """ReadBackend for a vault and a ring: ``await read(record, slot)`` fills the slot.
 
     ``workers`` threads read concurrently (several in flight keep an NVMe queue busy;
     /work measured ~1.6x from 1 to 4 threads). Each takes its next read from a queue of its
-    own, demand before speculation, as soon as it finishes one. Where the bytes land is the
-    ring's business (``ring.landing``): in the slot itself, or in a landing buffer. ``direct``
+    own, demand before speculation, as soon as it finishes one. A large record is read in
+    ``parts`` (default: split_record's) at once, the worker's and helper threads'. Where the
+    bytes land is the ring's business (``ring.landing``): in the slot itself, or in a
+    landing buffer. ``direct``
     says whether reads bypass the page cache (see ``open_direct``; pass ``direct=False`` to
     ask for buffered reads). Close it (or use it as a context manager) to stop the threads
     and close the file.
     """
 
     def __init__(
-        self, vault: Vault, ring: ExpertRing, workers: int = 4, direct: bool = True
+        self,
+        vault: Vault,
+        ring: ExpertRing,
+        workers: int = 4,
+        direct: bool = True,
+        parts: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
@@ -214,6 +236,10 @@ class DirectReader:
         self.stride = ring.stride
         self.workers = workers
         self.fd, self.direct = open_direct(self.path, direct)
+        self._parts = split_record(self.stride, parts)
+        self._helpers = concurrent.futures.ThreadPoolExecutor(
+            max(1, workers * (len(self._parts) - 1)), thread_name_prefix="smoe-io-part"
+        )
         # Our own threads rather than a ThreadPoolExecutor: a worker takes its next read
         # itself (priority order), a queued read can be taken back, close() can join them.
         self._queue = _ReadQueue()
@@ -274,21 +300,41 @@ class DirectReader:
                 job.future.set_result(n)
 
     def _read_into(self, record: int, slot: int) -> int:
-        """Blocking: fill ``slot`` with ``record``'s stride bytes (runs on a worker thread)."""
+        """Blocking: fill ``slot`` with ``record``'s stride bytes (runs on a worker thread).
+
+        A record of several parts is read by the worker (the first part) and helper
+        threads (the others) at once: a lone miss then keeps several requests in flight,
+        as the disk needs for its full rate. Returns once every part has finished."""
         offset = record * self.stride
-        done = 0
         with self.ring.landing(slot) as view:
-            while done < self.stride:
-                try:
-                    n = os.preadv(self.fd, [view[done:]], offset + done)
-                except InterruptedError:  # PEP 475 retries EINTR itself; this covers a raised one
-                    continue
-                except OSError as e:
-                    raise self._error(record, f"{e.strerror or e}", e.errno) from e
-                if n == 0:  # EOF before the record's end
-                    raise self._error(record, f"vault file truncated at record {record}", None)
-                done += n  # a short read: continue where it stopped
-        return done
+            if len(self._parts) == 1:
+                self._read_range(view, record, offset, 0, self.stride)
+                return self.stride
+            helpers = [
+                self._helpers.submit(self._read_range, view, record, offset, start, end)
+                for start, end in self._parts[1:]
+            ]
+            try:
+                self._read_range(view, record, offset, *self._parts[0])
+            finally:
+                concurrent.futures.wait(helpers)  # no thread writes into the landing after
+            for h in helpers:
+                h.result()  # the first part's error wins; else a helper's
+        return self.stride
+
+    def _read_range(self, view: memoryview, record: int, offset: int, start: int, end: int) -> None:
+        """Read bytes [start, end) of the record at file ``offset`` into ``view``."""
+        done = start
+        while done < end:
+            try:
+                n = os.preadv(self.fd, [view[done:end]], offset + done)
+            except InterruptedError:  # PEP 475 retries EINTR itself; this covers a raised one
+                continue
+            except OSError as e:
+                raise self._error(record, f"{e.strerror or e}", e.errno) from e
+            if n == 0:  # EOF before the record's end
+                raise self._error(record, f"vault file truncated at record {record}", None)
+            done += n  # a short read: continue where it stopped
 
     def _error(self, record: int, what: str, cause_errno: int | None) -> VaultReadError:
         layer, expert = self.manifest.record_key(record)
@@ -316,6 +362,7 @@ class DirectReader:
             job.future.cancel()
         for t in self._threads:
             t.join()
+        self._helpers.shutdown(wait=True)
         os.close(self.fd)
 
     def __enter__(self) -> DirectReader:

@@ -34,9 +34,10 @@ from smoe.vault.format import ITEMSIZE, RecordLayout
 
 T = TypeVar("T")
 
-# MLX's GPU kernels index arrays with 32-bit element offsets (a 7.25 GB bfloat16 ring faulted
-# on CUDA, MLX 0.32.4): a staged ring on a GPU keeps each array below this many elements.
-GPU_MAX_ELEMENTS = 2**31 - 1
+# MLX 0.32.4's CUDA gather_qmm (its tiled kernel) wraps its offsets past 2^31 bytes of one
+# weight array: measured on an H200, 680 slots of 4-bit [1536, 4096] (2.14 GB) computed right
+# and 688 (2.16 GB) wrong (bench/gpu_probe.py). A staged ring on a GPU keeps every array below.
+GPU_MAX_ARRAY_BYTES = 2**31 - 1
 
 
 def mx_dtype(name: str) -> Any:

@@ -22,9 +22,9 @@ ring never converts or copies it. A read goes:
   The ring holds the only Python reference (shared with the expert modules, whose
   parameters are these same objects), and every computation is evaluated before the next
   commit, so nothing does (tests/test_staged.py checks MLX's memory counters).
-- Banks: on a GPU MLX's kernels use 32-bit element offsets, so the slots are split into
-  banks whose arrays stay below ``max_bank_elements`` elements; ``locate`` maps a slot id
-  to (bank, slot in bank). A budget is never capped by that limit.
+- Banks: on a GPU MLX's kernels wrap their offsets past 2^31 bytes of an array, so the
+  slots are split into banks whose arrays stay below that (whole MoE layers per bank where
+  they fit); ``locate`` maps a slot id to (bank, slot in bank). A budget is never capped.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import numpy as np
 
 from smoe.io.cuda_host import keep_on_host
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import GPU_MAX_ELEMENTS, is_float, mx_dtype
+from smoe.io.ring import GPU_MAX_ARRAY_BYTES, is_float, mx_dtype
 from smoe.units import format_bytes
 from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
 
@@ -57,15 +57,6 @@ def staging_override() -> bool | None:
     None when unset."""
     choice = os.environ.get("SMOE_STAGING", "")
     return {"direct": False, "bounce": True}.get(choice)
-
-
-def logical_elements(c: Component, packed_bits: int | None) -> int:
-    """Elements a kernel indexes in one slot of ``c``: packed quantized weights count their
-    unpacked values (4-bit: 8 per uint32), as MLX's CUDA kernels address them."""
-    n = math.prod(c.shape)
-    if packed_bits and c.dtype == "uint32" and c.name.endswith("weight"):
-        return n * (32 // packed_bits)
-    return n
 
 
 def target_dtype(c: Component, dtype: Any) -> Any:
@@ -104,8 +95,11 @@ class StagedRing:
 
     ``dtype`` is the compute dtype float components are kept in. ``landings`` host buffers
     of one record each carry reads to the compute thread (at least one; the engine uses
-    twice its I/O workers). ``max_bank_elements`` caps each array's element count (None:
-    one bank). ``bounce``: read into per-thread host buffers, then copy into the landing.
+    twice its I/O workers). ``max_bank_bytes`` caps each array's size (None: one bank);
+    ``bank_align`` rounds a bank's slots down to its multiple. ``gpu_landings``: keep the
+    landings on the host, mapped for a discrete GPU. ``bounce``: read into per-thread
+    host buffers, then copy into the landing (None: only where landings could not be
+    kept on the host).
     Build it on the compute thread (its arrays live on that thread's default device).
     """
 
@@ -118,8 +112,7 @@ class StagedRing:
         dtype: Any,
         *,
         landings: int = 8,
-        max_bank_elements: int | None = None,
-        packed_bits: int | None = None,
+        max_bank_bytes: int | None = None,
         bank_align: int = 1,
         gpu_landings: bool = False,
         bounce: bool | None = None,
@@ -135,7 +128,7 @@ class StagedRing:
         self.stride = layout.stride
         self.dtype = dtype
         self._targets = [(c, target_dtype(c, dtype)) for c in layout.components]
-        self.bank_slots = self._bank_slots(max_bank_elements, packed_bits, bank_align)
+        self.bank_slots = self._bank_slots(max_bank_bytes, bank_align)
         sizes = [self.bank_slots] * (num_slots // self.bank_slots)
         if num_slots % self.bank_slots:
             sizes.append(num_slots % self.bank_slots)
@@ -185,19 +178,18 @@ class StagedRing:
         self.landing_wait_seconds = 0.0  # I/O threads, waiting for a free landing buffer
         self.waiting_for_landing = 0  # I/O threads waiting for one now
 
-    def _bank_slots(self, max_elements: int | None, packed_bits: int | None, align: int) -> int:
-        """Slots per bank: all of them, or as many as keep every array below
-        ``max_elements`` (counted as the kernels count them), rounded down to a multiple of
-        ``align`` (whole MoE layers per bank where they fit: a layer's call then stays in
-        one bank)."""
-        if max_elements is None:
+    def _bank_slots(self, max_bytes: int | None, align: int) -> int:
+        """Slots per bank: all of them, or as many as keep every array below ``max_bytes``,
+        rounded down to a multiple of ``align`` (whole MoE layers per bank where they fit:
+        a layer's call then stays in one bank)."""
+        if max_bytes is None:
             return self.num_slots
-        per_slot = max(logical_elements(c, packed_bits) for c in self.layout.components)
-        if per_slot > max_elements:
+        per_slot = max(math.prod(c.shape) * int(t.size) for c, t in self._targets)
+        if per_slot > max_bytes:
             raise ValueError(
-                f"one expert's component has {per_slot} elements, more than a bank's {max_elements}"
+                f"one expert's component takes {per_slot} bytes, more than a bank's {max_bytes}"
             )
-        fit = max_elements // per_slot
+        fit = max_bytes // per_slot
         if fit >= align > 1:
             fit -= fit % align
         return min(self.num_slots, fit)
@@ -212,23 +204,20 @@ class StagedRing:
         workers: int,
         gpu: bool,
         discrete: bool,
-        max_bank_elements: int | None = None,
+        max_bank_bytes: int | None = None,
     ) -> StagedRing:
         """The staged ring the engine builds for ``manifest`` on a device: landings for
-        twice the I/O workers; on a GPU, arrays below its kernels' 32-bit element offsets
-        (whole MoE layers per bank where they fit); on a discrete GPU, landings kept on
-        the host and mapped for it."""
-        experts = manifest.quantization.get("experts") or {}
-        bits = experts.get("bits") if isinstance(experts, dict) else None
-        if max_bank_elements is None and gpu:
-            max_bank_elements = GPU_MAX_ELEMENTS
+        twice the I/O workers; on a GPU, arrays below 2^31 bytes (GPU_MAX_ARRAY_BYTES; whole
+        MoE layers per bank where they fit); on a discrete GPU, landings kept on the host
+        and mapped for it."""
+        if max_bank_bytes is None and gpu:
+            max_bank_bytes = GPU_MAX_ARRAY_BYTES
         return cls(
             manifest.record,
             num_slots,
             dtype,
             landings=2 * workers,
-            max_bank_elements=max_bank_elements,
-            packed_bits=int(bits) if isinstance(bits, int) else None,
+            max_bank_bytes=max_bank_bytes,
             bank_align=manifest.num_experts,
             gpu_landings=discrete,
         )
