@@ -121,7 +121,7 @@ async def engine_decode(
     logits, picks = [], []
     for token in forced:
         y = await engine.compute.run(step)
-        logits.append(np.array(y))
+        logits.append(np.array(y.astype(mx.float32)))  # (bfloat16 on a GPU)
         picks.append(greedy(y))
         seq.tokens.append(token)
     return logits, picks

@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
-from tests.test_engine_exact import ShuffledReads, greedy
+from tests.test_engine_exact import ShuffledReads, engine_decode, greedy
 
 CUDA = mx.is_available(mx.gpu) and not mx.metal.is_available()
 # SMOE_GPU_TESTS_ON_CPU=1 runs them on the CPU (bfloat16, staged ring): a dry run of the code.
@@ -90,26 +89,6 @@ def reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.
     return tokens[len(prompt) :], logits
 
 
-async def forced_decode(
-    engine: Engine, prompt: list[int], forced: list[int]
-) -> tuple[list[np.ndarray], list[int]]:
-    """The engine's decode steps fed the reference's tokens: (float32 logits, greedy picks)."""
-    seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
-
-    def step() -> mx.array:
-        y = engine.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)[0, -1]
-        mx.eval(y)
-        return y
-
-    logits, picks = [], []
-    for token in forced:
-        y = await engine.compute.run(step)
-        logits.append(np.array(y.astype(mx.float32)))
-        picks.append(greedy(y))
-        seq.tokens.append(token)
-    return logits, picks
-
-
 async def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
     out = []
     async for ev in engine.generate(prompt, max_tokens=n, temperature=0.0, stop_at_eos=False):
@@ -119,7 +98,7 @@ async def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("bits", [4, 16])
+@pytest.mark.parametrize("bits", [4, 8, 16])
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
     if bits == 16 and not CUDA:
@@ -140,7 +119,7 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
         async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
             assert engine.ring.kind == "staged" and engine.dtype == mx.bfloat16
             tokens = await generate(engine, prompt, STEPS)
-            got, picks = await forced_decode(engine, prompt, want_tokens)
+            got, picks = await engine_decode(engine, prompt, want_tokens)
             diffs = [float(np.abs(a - b).max()) for a, b in zip(got, want_logits, strict=True)]
             same_bits = sum(np.array_equal(a, b) for a, b in zip(got, want_logits, strict=True))
             report(

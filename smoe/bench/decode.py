@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from smoe.bench.generate import budget_slots
+from smoe.bench.generate import budget_slots, random_prompt
 from smoe.bench.io import baseline_run, drop_file_cache
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
@@ -69,8 +69,7 @@ async def bench_decode(
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
-    rng = random.Random(seed)
-    prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    prompt = random_prompt(vault, prompt_tokens, seed)
     options: dict[str, Any] = {"device": device, "ring": ring}
     bandwidth = raw_bandwidth(vault, workers, seed=seed)
     warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
@@ -138,9 +137,7 @@ async def bench_prefill(
     ring: str = "auto",
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
-    m = vault.manifest
-    rng = random.Random(seed)
-    prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    prompt = random_prompt(vault, prompt_tokens, seed)
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)

@@ -17,6 +17,13 @@ from smoe.units import parse_size
 from smoe.vault.format import Vault
 
 
+def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
+    """``tokens`` random ids of the vault's vocabulary (above the first 10: no specials)."""
+    rng = random.Random(seed)
+    vocab = int(vault.manifest.topology["vocab_size"])
+    return [rng.randrange(10, vocab) for _ in range(tokens)]
+
+
 def budget_slots(vault: Vault, budget: str) -> int:
     """'min' (one token's top-k), 'half' (half the experts), 'all', a share of the experts
     like '25%', or a size like 2GB (in records of the vault's stride)."""
@@ -49,9 +56,7 @@ async def bench_generate(
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
-    vocab = int(m.topology["vocab_size"])
-    rng = random.Random(seed)
-    prompt = [rng.randrange(10, vocab) for _ in range(prompt_tokens)]
+    prompt = random_prompt(vault, prompt_tokens, seed)
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)

@@ -10,10 +10,10 @@ tokens agree.
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any
 
+from smoe.bench.generate import random_prompt
 from smoe.engine import Engine
 from smoe.vault.format import Vault
 
@@ -109,9 +109,7 @@ async def bench_resident(
     ring: str = "auto",
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
-    m = vault.manifest
-    rng = random.Random(seed)
-    prompt = [rng.randrange(10, int(m.topology["vocab_size"])) for _ in range(prompt_tokens)]
+    prompt = random_prompt(vault, prompt_tokens, seed)
     engine, dtype = await _engine_run(vault, prompt, max_tokens, chunk, device=device, ring=ring)
     reference = _mlx_lm_run(vault, prompt, max_tokens, chunk, dtype)
     same = sum(a == b for a, b in zip(engine["tokens"], reference["tokens"], strict=True))

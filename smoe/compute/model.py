@@ -121,12 +121,7 @@ def build_model(
             f"{vault.backbone_path} does not match mlx-lm's '{config['model_type']}' model "
             f"(missing {missing[:3]}, unexpected {extra[:3]}); convert the model again"
         )
-    for name, a in weights.items():
-        if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
-            weights[name] = a.astype(compute_dtype)
-    model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
-    model.eval()
+    _load_cast(model, weights, compute_dtype)
     if tracer is not None:  # after loading: the taps change parameter paths
         for spec in vault.manifest.layers:
             parent, _ = _resolve(model, spec.module)
@@ -153,10 +148,16 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
         for name, a in read_layer(vault, spec.layer).items():
             weights[f"{spec.module}.{name}"] = a
     _quantize_like_mlx_lm(model, config, weights)
+    _load_cast(model, weights, compute_dtype)
+    return model
+
+
+def _load_cast(model: nn.Module, weights: dict[str, Any], compute_dtype: mx.Dtype) -> None:
+    """Load ``weights`` (strict), float ones other than quantization scales/biases cast to
+    ``compute_dtype``; evaluate them and put the model in inference mode."""
     for name, a in weights.items():
         if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
             weights[name] = a.astype(compute_dtype)
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
-    return model

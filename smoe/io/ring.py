@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from smoe.errors import SmoeError
 from smoe.units import format_bytes, parse_size
-from smoe.vault.format import ITEMSIZE, RecordLayout
+from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
 T = TypeVar("T")
 
@@ -62,6 +62,14 @@ def needs_conversion(layout: RecordLayout, dtype: Any) -> bool:
     call from 16 to 512 slots). Such records must be converted once, when they land.
     """
     return any(is_float(c.dtype) and mx_dtype(c.dtype) != dtype for c in layout.components)
+
+
+def check_ring_args(layout: RecordLayout, num_slots: int) -> None:
+    """ValueError unless there is a slot and records are whole 16 KiB blocks (O_DIRECT)."""
+    if num_slots < 1:
+        raise ValueError(f"a ring needs at least one slot, got {num_slots}")
+    if layout.stride <= 0 or layout.stride % RECORD_ALIGN:
+        raise ValueError(f"record stride {layout.stride} is not a multiple of {RECORD_ALIGN}")
 
 
 def suggest_size(nbytes: int) -> str:

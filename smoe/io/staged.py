@@ -45,7 +45,7 @@ import numpy as np
 
 from smoe.io.cuda_host import keep_on_host
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import GPU_MAX_ARRAY_BYTES, is_float, mx_dtype
+from smoe.io.ring import GPU_MAX_ARRAY_BYTES, check_ring_args, is_float, mx_dtype
 from smoe.units import format_bytes
 from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
 
@@ -117,12 +117,9 @@ class StagedRing:
         gpu_landings: bool = False,
         bounce: bool | None = None,
     ) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a ring needs at least one slot, got {num_slots}")
+        check_ring_args(layout, num_slots)
         if landings < 1:
             raise ValueError(f"a staged ring needs at least one landing buffer, got {landings}")
-        if layout.stride <= 0 or layout.stride % RECORD_ALIGN:
-            raise ValueError(f"record stride {layout.stride} is not a multiple of {RECORD_ALIGN}")
         self.layout = layout
         self.num_slots = num_slots
         self.stride = layout.stride

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from smoe.io.hugepages import advise_huge_pages
-from smoe.io.ring import mx_dtype
+from smoe.io.ring import check_ring_args, mx_dtype
 from smoe.units import format_bytes
 from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
@@ -55,10 +55,7 @@ class UnifiedRing:
     kind = "unified"
 
     def __init__(self, layout: RecordLayout, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a ring needs at least one slot, got {num_slots}")
-        if layout.stride <= 0 or layout.stride % _ALIGN:
-            raise ValueError(f"record stride {layout.stride} is not a multiple of {_ALIGN}")
+        check_ring_args(layout, num_slots)
         self.layout = layout
         self.num_slots = num_slots
         self.stride = layout.stride
