@@ -29,7 +29,9 @@ def main() -> None:
 
             def call(w=w, s=s, b=b, x=x, idx=idx) -> None:
                 mx.eval(
-                    mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=4)
+                    mx.gather_qmm(
+                        x, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=4
+                    )
                 )
 
             mx.eval(w, s, b)

@@ -232,7 +232,10 @@ class Batcher:
     async def _decode(self, ready: list[Ticket]) -> None:
         before = self.meter()
         try:
-            tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready])
+            # ``more``: whether any row will be stepped again (a row ending at its length
+            # needs no pass built ahead of it; see Runner.step).
+            more = any(t.generated + 1 < t.max_tokens for t in ready)
+            tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
         except Exception as e:
             for t in ready:
                 t._finish("error", e)

@@ -180,13 +180,17 @@ class Conversation:
             "model_type": self.engine.vault.manifest.topology["model_type"],
             "system": json.dumps(self.system),
             "messages": json.dumps(self.messages),
-            "tokens": json.dumps(self._seq.tokens if self._seq else []),
-            "cached": str(self._seq.cached if self._seq else 0),
         }
         tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
         seq = self._seq
 
         def write() -> None:
+            # Read the stream here, under the engine lock: a cancelled turn's last step
+            # may have run after the reply was taken.
+            if seq is not None:
+                self.engine.runner.settle(seq)  # a pass built ahead is not part of the turn
+            meta["tokens"] = json.dumps(seq.tokens if seq is not None else [])
+            meta["cached"] = str(seq.cached if seq is not None else 0)
             cache = seq.cache if seq is not None else self.engine.runner.new_cache()
             save_prompt_cache(str(tmp), cache, meta)
             with open(tmp, "rb") as f:

@@ -257,8 +257,16 @@ class Engine:
         mx.set_default_device(self._device)  # the compute thread's MLX work
         model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
+        layers = len(self.vault.manifest.layers)
         return Runner(
-            model, chunk=self.options.prefill_chunk, tracer=self.tracer, batchable=batchable
+            model,
+            chunk=self.options.prefill_chunk,
+            tracer=self.tracer,
+            batchable=batchable,
+            # Decode is built a step ahead only when a pass needs nothing from the host.
+            resident=lambda: (
+                self.slots.all_resident(layers) and not self.tracer.needs_routing_now()
+            ),
         )
 
     def _load_tokenizer(self) -> Any:

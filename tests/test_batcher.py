@@ -37,8 +37,8 @@ class FakeRunner:
         self.log.append(f"prefill {seq.name}")
         return n
 
-    def step_batch(self, seqs: list[FakeSeq]) -> list[int]:
-        self.log.append("step " + ",".join(s.name for s in seqs))
+    def step_batch(self, seqs: list[FakeSeq], more: bool = True) -> list[int]:
+        self.log.append("step " + ",".join(s.name for s in seqs) + ("" if more else " last"))
         if self.fail_step is not None:
             raise self.fail_step
         for s in seqs:
@@ -103,7 +103,7 @@ async def test_prefill_interleaves_with_decode_and_rows_share_steps():
         "step a",  # ... but a decodes meanwhile
         "prefill b",  # 3
         "step a,b",  # b joins the batch
-        "step a,b",  # 4: a ends (3 tokens), b ends (2 tokens)
+        "step a,b last",  # 4: a ends (3 tokens), b (2): nothing is built ahead
     ]
     assert got_a == [("token", 100), ("token", 101), ("token", 102), ("end", "length")]
     assert got_b == [("token", 100), ("token", 101), ("end", "length")]
@@ -116,7 +116,7 @@ async def test_max_batch_holds_back_the_rest_until_a_place_frees():
     tickets = [batcher.submit(ticket(n, 0, m)) for n, m in (("a", 1), ("b", 3), ("c", 1))]
     assert batcher.queued == 3
     await asyncio.gather(*(drain(t) for t in tickets))
-    assert runner.log == ["step a,b", "step b,c", "step b"]
+    assert runner.log == ["step a,b", "step b,c", "step b last"]
     assert events.count("demand") == 3
     await batcher.wait_idle()
     assert events[-1] == "idle"
@@ -128,7 +128,7 @@ async def test_eos_ends_a_request_and_the_others_go_on():
     b = batcher.submit(ticket("b", 0, 3))
     got_a, got_b = await asyncio.gather(drain(a), drain(b))
     assert got_a[-1] == ("end", "stop") and len(got_a) == 3  # 100, 101 (eos), end
-    assert runner.log == ["step a,b", "step a,b", "step b"]
+    assert runner.log == ["step a,b", "step a,b", "step b last"]
 
 
 async def test_a_ticket_cancelled_during_its_step_leaves_at_the_next_iteration():
@@ -143,7 +143,7 @@ async def test_a_ticket_cancelled_during_its_step_leaves_at_the_next_iteration()
     a.cancel()  # ... and still computes a's row (a pass cannot be interrupted)
     compute.gated = False
     assert [kind for kind, _ in await drain(b)] == ["token"] * 3 + ["end"]
-    assert runner.log == ["step a,b", "step a,b", "step b"]  # a left after step 2
+    assert runner.log == ["step a,b", "step a,b", "step b last"]  # a left after step 2
     await batcher.wait_idle()
     assert not batcher.active and a.events.qsize() == 2  # its two tokens, no more
 
@@ -192,9 +192,9 @@ async def test_shared_step_bytes_are_split_among_rows():
         return Meter(bytes_read=counter["bytes"])
 
     class Reads(FakeRunner):
-        def step_batch(self, seqs):
+        def step_batch(self, seqs, more=True):
             counter["bytes"] += 900  # one read served all rows
-            return super().step_batch(seqs)
+            return super().step_batch(seqs, more)
 
     batcher = Batcher(GatedCompute(), Reads(), asyncio.Lock(), meter)
     ts = [batcher.submit(ticket(n, 0, 2)) for n in "abc"]

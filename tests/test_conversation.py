@@ -56,8 +56,23 @@ async def test_follow_up_prefills_only_what_is_new(vault):
         assert seen == s2.prefilled_tokens + 1  # + the step that sampled the reply
 
 
-async def test_cancelled_reply_then_next_turn_equals_a_fresh_conversation(vault):
-    async with Engine.open(vault.path, slots=6) as engine:
+async def make_resident(engine: Engine) -> None:
+    """Read every expert, then let the next reservation pin them all for good (decode is
+    then built a step ahead: Runner.step)."""
+    m = engine.vault.manifest
+    for spec in m.layers:
+        engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(m.num_experts)))
+    await engine.logits([1, 2])
+    assert engine.scheduler.holders() == {RESIDENT: m.num_records}
+
+
+@pytest.mark.parametrize("slots", [6, None], ids=["streaming", "resident"])
+async def test_cancelled_reply_then_next_turn_equals_a_fresh_conversation(vault, slots, tmp_path):
+    """Cancelled mid-reply (as an EOS would end it), a resident model has the next pass
+    already queued: the next turn, a save and a load all see the reply as it was sent."""
+    async with Engine.open(vault.path, slots=slots) as engine:
+        if slots is None:
+            await make_resident(engine)
         conv = engine.conversation()
         await reply(conv, "Hello there, friend.", max_tokens=8)
         n = 0
@@ -66,10 +81,14 @@ async def test_cancelled_reply_then_next_turn_equals_a_fresh_conversation(vault)
             if n == 3:
                 break  # cancel the reply after 3 tokens
         assert conv.messages[-1]["role"] == "assistant"  # the partial reply is kept
+        assert (engine.runner.built_ahead > 0) == (slots is None)
+        path = await conv.save(tmp_path / "chat")
         got = await conv.next_logits("Go on.")
         fresh = engine.conversation()
         fresh.messages = [dict(m) for m in conv.messages]
         assert np.array_equal(got, await fresh.next_logits("Go on."))
+        loaded = await engine.load_conversation(path)
+        assert np.array_equal(got, await loaded.next_logits("Go on."))
         assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
 
 

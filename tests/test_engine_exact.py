@@ -588,9 +588,13 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
         for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
             assert np.array_equal(a, b), i
         reads = engine.scheduler.stats.misses
-        stats = None
+        stats, tokens = None, []
         async for ev in engine.generate(prompt, max_tokens=DECODE_STEPS, temperature=0.0):
             stats = ev.stats or stats
+            tokens += [ev.token] if ev.token is not None else []
+        assert tokens == ref_tokens
+        # decode was built a step ahead (mlx-lm's overlap), all but the last step
+        assert engine.runner.built_ahead == DECODE_STEPS - 1
         assert stats.hit_rate == 1.0 and stats.hits > 0 and stats.bytes_read == 0
         assert engine.scheduler.stats.misses == reads
 

@@ -93,6 +93,7 @@ async def _engine_run(
                 "decode_tok_s": stats.decode_tok_s,
                 "tokens": tokens,
                 "bytes_read": stats.bytes_read,
+                "built_ahead": engine.runner.built_ahead,  # decode passes overlapped (all runs)
             }
             best = _better(best, run)
         assert best is not None

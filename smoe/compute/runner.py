@@ -57,6 +57,11 @@ class Sequence_:
     sampler: Callable[[mx.array], mx.array] | None = None
     processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
     seed: int | None = None  # seeded sampling: each position's draw depends on it alone
+    # Decode built one step ahead (Runner.step on a resident model): the next token, not
+    # yet evaluated, whose pass has already put ``tokens[-1]``'s keys/values in ``cache``,
+    # and that pass's deferred routing, counted once it is evaluated.
+    ahead: mx.array | None = None
+    ahead_routing: list[Any] = field(default_factory=list)
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
@@ -73,15 +78,28 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Runner:
-    """Runs ``model`` (with streamed experts) on the compute thread."""
+    """Runs ``model`` (with streamed experts) on the compute thread.
+
+    ``resident()`` says whether a forward pass needs nothing from the host (every MoE layer
+    served from device tables, no routing read back): then a sequence decoding alone is
+    built one step ahead, as mlx-lm's ``generate_step`` does, so the device computes step
+    n+1 while the host hands out token n (see ``step``).
+    """
 
     def __init__(
-        self, model: Any, chunk: int = 64, tracer: Any = None, batchable: bool = False
+        self,
+        model: Any,
+        chunk: int = 64,
+        tracer: Any = None,
+        batchable: bool = False,
+        resident: Callable[[], bool] | None = None,
     ) -> None:
         self.model = model
         self.chunk = chunk
         self.batchable = batchable  # step_batch runs one pass (see smoe.compute.rowwise)
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
+        self.resident = resident
+        self.built_ahead = 0  # decode passes queued before the previous token was read
 
     def _phase(self, phase: int) -> None:
         if self.tracer is not None:
@@ -138,6 +156,7 @@ class Runner:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+        self.settle(seq)
         seq.seed = params.seed
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
@@ -180,11 +199,13 @@ class Runner:
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         seq.cache, seq.cached = self.new_cache(), 0
+        seq.ahead, seq.ahead_routing = None, []
         if self.tracer is not None:
             self.tracer.deferred.clear()  # that pass's routing is not counted
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
+        self.settle(seq)
         self._phase(1)
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
         seq.cached = len(seq.tokens)
@@ -194,6 +215,7 @@ class Runner:
 
     def copy(self, seq: Sequence_) -> Sequence_:
         """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
+        self.settle(seq)
         cache = self.new_cache()
         for mine, theirs in zip(cache, seq.cache, strict=True):
             if not theirs.empty():
@@ -203,8 +225,17 @@ class Runner:
         mx.eval([c.state for c in cache if not c.empty()])
         return Sequence_(cache=cache, tokens=list(seq.tokens), cached=seq.cached)
 
-    def step(self, seq: Sequence_) -> int:
-        """Run the last token, sample the next one, append it; return it."""
+    def step(self, seq: Sequence_, more: bool = True) -> int:
+        """Run the last token, sample the next one, append it; return it.
+
+        On a resident model (see the class docstring) the pass for the token returned is
+        also queued on the device before it is read back, unless ``more`` is False (the
+        caller will not ask for another); ``settle`` undoes that when the sequence is used
+        otherwise. The tokens are the same either way: only the order of work changes.
+        """
+        if self._can_build_ahead(seq):
+            return self._step_ahead(seq, more)
+        self.settle(seq)
         self._phase(1)
         try:
             y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)  # [1, 1, V]
@@ -216,12 +247,71 @@ class Runner:
         seq.cached = len(seq.tokens)
         return self._sample(seq, y[:, -1, :])
 
-    def step_batch(self, seqs: list[Sequence_]) -> list[int]:
+    def _can_build_ahead(self, seq: Sequence_) -> bool:
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        # Processors read the token history on the host; a cache that cannot be trimmed
+        # could not drop the pass built ahead.
+        return (
+            self.resident is not None
+            and self.resident()
+            and not seq.processors
+            and can_trim_prompt_cache(seq.cache)
+        )
+
+    def _step_ahead(self, seq: Sequence_, more: bool) -> int:
+        """``step`` with the next pass queued before this token is read back."""
+        self._phase(1)
+        try:
+            if seq.ahead is None:
+                token = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
+                routing = self._take_routing()
+                mx.async_eval(token)
+            else:
+                token, routing = seq.ahead, seq.ahead_routing
+                seq.ahead, seq.ahead_routing = None, []
+            if more:
+                # token [1] feeds the next pass lazily: it puts this token's keys and
+                # values in the cache and samples the one after it.
+                nxt = self._build_step(seq, token, len(seq.tokens) + 1)
+                seq.ahead, seq.ahead_routing = nxt, self._take_routing()
+                mx.async_eval(nxt)
+                self.built_ahead += 1
+            value = int(token.item())  # waits for this step's pass only
+            if self.tracer is not None:
+                self.tracer.count(routing)
+        except BaseException:
+            self.reset(seq)
+            raise
+        seq.cached = len(seq.tokens)
+        seq.tokens.append(value)
+        return value
+
+    def _build_step(self, seq: Sequence_, last: mx.array, position: int) -> mx.array:
+        """The lazy graph of one decode pass on ``last`` [1] and its sampled token [1]
+        (``position``: the index the sampled token will have in ``seq.tokens``)."""
+        y = self.model(last[None], cache=seq.cache)  # [1, 1, V]
+        return self._draw(seq, y[:, -1, :], position)
+
+    def _take_routing(self) -> list[Any]:
+        return self.tracer.take() if self.tracer is not None else []
+
+    def settle(self, seq: Sequence_) -> None:
+        """Drop a pass built ahead (``step``): its keys/values leave the cache, its routing
+        is not counted. Every other use of the sequence starts here."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        if seq.ahead is not None:
+            trim_prompt_cache(seq.cache, 1)
+            seq.ahead, seq.ahead_routing = None, []
+
+    def step_batch(self, seqs: list[Sequence_], more: bool = True) -> list[int]:
         """One decode step of every sequence in ``seqs`` together: per MoE layer the union
         of their experts is acquired once. Each sequence's logits and token are those of
-        ``step`` on it alone. If the pass fails, every sequence in it is reset."""
+        ``step`` on it alone. If the pass fails, every sequence in it is reset. ``more``:
+        see ``step`` (False when no sequence will be stepped again)."""
         if len(seqs) == 1 or not self.batchable:
-            return [self.step(s) for s in seqs]
+            return [self.step(s, more) for s in seqs]
         y = self._forward_batch(seqs)  # [B, 1, V]
         return [self._sample(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
 
@@ -235,6 +325,8 @@ class Runner:
         """Run each sequence's last token in one pass ([B, 1] tokens, per-row caches)."""
         from smoe.compute.rowwise import RowCaches
 
+        for s in seqs:
+            self.settle(s)
         self._phase(1)
         tokens = mx.array([s.tokens[-1:] for s in seqs])  # [B, 1]
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
@@ -252,14 +344,20 @@ class Runner:
 
     def _sample(self, seq: Sequence_, logits: mx.array) -> int:
         """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""
+        token = int(self._draw(seq, logits, len(seq.tokens)).item())
+        seq.tokens.append(token)
+        return token
+
+    def _draw(self, seq: Sequence_, logits: mx.array, position: int) -> mx.array:
+        """The token [1] (lazy) drawn from ``logits`` [1, V] for ``seq.tokens[position]``
+        with ``seq``'s processors (they read ``seq.tokens``) and sampler."""
         if seq.processors:
             history = mx.array(seq.tokens)
             for p in seq.processors:
                 logits = p(history, logits)
         assert seq.sampler is not None
         if seq.seed is not None:  # a draw per position, whatever else shares the step
-            mx.random.seed((seq.seed * 1_000_003 + len(seq.tokens)) % 2**64)
+            mx.random.seed((seq.seed * 1_000_003 + position) % 2**64)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = int(seq.sampler(logprobs).item())
-        seq.tokens.append(token)
+        token: mx.array = seq.sampler(logprobs)
         return token

@@ -110,7 +110,16 @@ class Tracer:
     def flush(self) -> None:
         """Count the deferred routing of the pass just evaluated (popularity, distinct
         experts, traces); call after each forward pass has been evaluated."""
+        self.count(self.take())
+
+    def take(self) -> list[tuple[int, mx.array, Any]]:
+        """The routing deferred since the last take (one pass's, when taken after each
+        pass is built), to ``count`` once that pass is evaluated."""
         deferred, self.deferred = self.deferred, []
+        return deferred
+
+    def count(self, deferred: list[tuple[int, mx.array, Any]]) -> None:
+        """Count ``deferred`` routing (``take``'s) of a pass that has been evaluated."""
         if not deferred:
             return
         # One transfer for all of them: the routings, flattened end to end, to the host

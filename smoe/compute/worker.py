@@ -119,6 +119,11 @@ class LoopSlots:
                 table = mx.array([local for _, local in located], dtype=mx.uint32)
                 self._resident[layer] = (banks.pop(), table)
 
+    def all_resident(self, layers: int) -> bool:
+        """Whether each of the model's ``layers`` MoE layers has a resident table (a forward
+        pass then needs no slot from the scheduler)."""
+        return self._resident is not None and len(self._resident) == layers
+
     def resident_table(self, layer: int) -> Any:
         return None if self._resident is None else self._resident.get(layer)
 
