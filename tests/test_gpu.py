@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
@@ -147,6 +148,20 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
             )
             if tokens != want_tokens:
                 wrong[name] = tokens
+            if name == "all":  # every expert pinned: device tables, decode built ahead
+                await fill_ring(engine)
+                resident = await generate(engine, prompt, STEPS)
+                report(
+                    {
+                        "test": "resident_tokens_vs_mlx_lm",
+                        "arch": arch,
+                        "bits": bits,
+                        "tokens_equal": resident == want_tokens,
+                        "built_ahead": engine.runner.built_ahead,
+                    }
+                )
+                if resident != want_tokens or not engine.runner.built_ahead:
+                    wrong["resident"] = resident
     assert not wrong, (wrong, want_tokens)  # every ring is measured and reported first
 
 
