@@ -43,6 +43,10 @@ class Popularity:
         """Count one routing decision's experts (any shape of expert ids)."""
         np.add.at(self.session[self._pos[layer]], experts.reshape(-1), 1.0)
 
+    def add_counts(self, layers: list[int], counts: np.ndarray) -> None:
+        """Add per-expert counts [len(layers), E] of the given MoE layers."""
+        np.add.at(self.session, [self._pos[layer] for layer in layers], counts)
+
     def hottest(self, n: int) -> list[tuple[int, int]]:
         """The ``n`` most requested (layer, expert) keys, history and this run together."""
         total = (self.counts + self.session).reshape(-1)

@@ -621,3 +621,37 @@ async def test_a_whole_model_ring_in_banks_keeps_each_layer_in_one_bank(quantize
         tables = {s.layer: engine.slots.resident_table(s.layer) for s in m.layers}
         assert sorted(bank for bank, _ in tables.values()) == [0, 1]
         assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
+
+
+@pytest.mark.asyncio
+async def test_resident_routing_is_counted_as_the_streaming_path_counts_it(quantized, tmp_path):
+    """Device tables count routing on the device, after the pass (one histogram per pass):
+    popularity, distinct experts and per-layer traces equal those the streaming path
+    counts on the host for the same generation."""
+    import shutil
+
+    vault, _ = quantized("qwen3_moe")
+    m = vault.manifest
+    prompt = _prompt(70, seed=8)
+    counted = {}
+    for name, slots in (("streaming", top_k_of(vault)), ("resident", m.num_records)):
+        copy = Vault.open(shutil.copytree(vault.path, tmp_path / name))
+        async with Engine.open(copy.path, slots=slots) as engine:
+            if name == "resident":
+                for spec in m.layers:
+                    engine.scheduler.release(
+                        await engine.scheduler.acquire(spec.layer, range(m.num_experts))
+                    )
+            engine.popularity.session[:] = 0
+            before = engine.tracer.unique_experts
+            engine.tracer.calls.clear()
+            await engine_generate(engine, prompt, DECODE_STEPS)
+            assert (engine.runner.built_ahead > 0) == (name == "resident")
+            counted[name] = (
+                engine.popularity.session.copy(),
+                engine.tracer.unique_experts - before,
+                [(t.layer, t.tokens, t.unique_experts) for t in engine.tracer.calls],
+            )
+    (pop_s, uniq_s, calls_s), (pop_r, uniq_r, calls_r) = counted["streaming"], counted["resident"]
+    assert pop_s.sum() > 0 and np.array_equal(pop_s, pop_r)
+    assert uniq_s == uniq_r and calls_s == calls_r

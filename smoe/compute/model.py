@@ -130,6 +130,7 @@ def build_model(
         if layers:
             tracer.first_layer = layers[0]
         tracer.next_layer = dict(zip(layers, layers[1:], strict=False))
+        tracer.num_experts = num_experts
     return model
 
 

@@ -61,7 +61,7 @@ class Sequence_:
     # yet evaluated, whose pass has already put ``tokens[-1]``'s keys/values in ``cache``,
     # and that pass's deferred routing, counted once it is evaluated.
     ahead: mx.array | None = None
-    ahead_routing: list[Any] = field(default_factory=list)
+    ahead_routing: Any = None  # a DeferredRouting, or None
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
@@ -199,7 +199,7 @@ class Runner:
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         seq.cache, seq.cached = self.new_cache(), 0
-        seq.ahead, seq.ahead_routing = None, []
+        seq.ahead, seq.ahead_routing = None, None
         if self.tracer is not None:
             self.tracer.deferred.clear()  # that pass's routing is not counted
 
@@ -265,17 +265,15 @@ class Runner:
         try:
             if seq.ahead is None:
                 token = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
-                routing = self._take_routing()
-                mx.async_eval(token)
+                routing = self._queue(token)
             else:
                 token, routing = seq.ahead, seq.ahead_routing
-                seq.ahead, seq.ahead_routing = None, []
+                seq.ahead, seq.ahead_routing = None, None
             if more:
                 # token [1] feeds the next pass lazily: it puts this token's keys and
                 # values in the cache and samples the one after it.
                 nxt = self._build_step(seq, token, len(seq.tokens) + 1)
-                seq.ahead, seq.ahead_routing = nxt, self._take_routing()
-                mx.async_eval(nxt)
+                seq.ahead, seq.ahead_routing = nxt, self._queue(nxt)
                 self.built_ahead += 1
             value = int(token.item())  # waits for this step's pass only
             if self.tracer is not None:
@@ -293,8 +291,12 @@ class Runner:
         y = self.model(last[None], cache=seq.cache)  # [1, 1, V]
         return self._draw(seq, y[:, -1, :], position)
 
-    def _take_routing(self) -> list[Any]:
-        return self.tracer.take() if self.tracer is not None else []
+    def _queue(self, token: mx.array) -> Any:
+        """Start evaluating a built pass (its token and its routing counts); return the
+        routing to count once the token has been read."""
+        routing = self.tracer.take() if self.tracer is not None else None
+        mx.async_eval(token, *([routing.counts] if routing is not None else []))
+        return routing
 
     def settle(self, seq: Sequence_) -> None:
         """Drop a pass built ahead (``step``): its keys/values leave the cache, its routing
@@ -303,7 +305,7 @@ class Runner:
 
         if seq.ahead is not None:
             trim_prompt_cache(seq.cache, 1)
-            seq.ahead, seq.ahead_routing = None, []
+            seq.ahead, seq.ahead_routing = None, None
 
     def step_batch(self, seqs: list[Sequence_], more: bool = True) -> list[int]:
         """One decode step of every sequence in ``seqs`` together: per MoE layer the union

@@ -97,6 +97,7 @@ class Tracer:
     unique_experts: int = 0  # distinct experts summed over every (pass, MoE layer)
     # Routing of layers served from resident tables, counted after the pass (no sync).
     deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
+    num_experts: int = 0  # routed experts per MoE layer (set by build_model)
 
     @property
     def lookahead_recall(self) -> float:
@@ -112,29 +113,49 @@ class Tracer:
         experts, traces); call after each forward pass has been evaluated."""
         self.count(self.take())
 
-    def take(self) -> list[tuple[int, mx.array, Any]]:
+    def take(self) -> DeferredRouting | None:
         """The routing deferred since the last take (one pass's, when taken after each
-        pass is built), to ``count`` once that pass is evaluated."""
+        pass is built), as a lazy per-layer histogram; evaluate ``counts`` with the pass
+        and ``count`` it then: reading it back costs one small copy, no device sync."""
         deferred, self.deferred = self.deferred, []
-        return deferred
-
-    def count(self, deferred: list[tuple[int, mx.array, Any]]) -> None:
-        """Count ``deferred`` routing (``take``'s) of a pass that has been evaluated."""
         if not deferred:
+            return None
+        assert self.num_experts > 0, "build_model sets num_experts"
+        ids = mx.arange(self.num_experts)
+
+        def histogram(flat: mx.array) -> mx.array:  # [..., N] ids -> [..., E] counts
+            return (flat[..., None] == ids).astype(mx.int32).sum(-2)
+
+        if len({i.shape for _, i, _ in deferred}) == 1:  # one pass: one op for all layers
+            hist = histogram(mx.stack([i.reshape(-1) for _, i, _ in deferred]))
+        else:
+            hist = mx.stack([histogram(i.reshape(-1)) for _, i, _ in deferred])
+        rows = [i.size // i.shape[-1] for _, i, _ in deferred]
+        return DeferredRouting([(layer, src) for layer, _, src in deferred], rows, hist)
+
+    def count(self, routing: DeferredRouting | None) -> None:
+        """Count ``routing`` (``take``'s) of a pass that has been evaluated."""
+        if routing is None:
             return
-        # One transfer for all of them: the routings, flattened end to end, to the host
-        everything = np.array(mx.concatenate([i.reshape(-1) for _, i, _ in deferred]))
-        ends = np.cumsum([i.size for _, i, _ in deferred])
-        for (layer, indices, source), row in zip(
-            deferred, np.split(everything, ends[:-1]), strict=True
+        hist = np.array(routing.counts)  # [L, E]
+        if self.popularity is not None:
+            self.popularity.add_counts([layer for layer, _ in routing.layers], hist)
+        unique = (hist > 0).sum(axis=1)
+        for (layer, source), rows, n in zip(
+            routing.layers, routing.rows, unique.tolist(), strict=True
         ):
-            flat = row.reshape(-1, indices.shape[-1])
-            if self.popularity is not None:
-                self.popularity.add(layer, flat)
-            unique = len(np.unique(flat))
-            source.count_resident(unique)
-            self.calls.append(LayerTrace(layer, flat.shape[0], unique, 1, unique))
-            self.unique_experts += unique
+            source.count_resident(n)
+            self.calls.append(LayerTrace(layer, rows, n, 1, n))
+            self.unique_experts += n
+
+
+@dataclass
+class DeferredRouting:
+    """One pass's routing through resident tables, counted once the pass is evaluated."""
+
+    layers: list[tuple[int, Any]]  # (MoE layer, its SlotSource), in pass order
+    rows: list[int]  # tokens routed, per layer
+    counts: mx.array  # [L, E] int32: times each layer chose each expert
 
 
 class RouterTap(nn.Module):
