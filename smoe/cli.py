@@ -169,6 +169,19 @@ def _count_list(text: str) -> list[int]:
     return _int_list(text, minimum=0)
 
 
+def _parts_list(text: str) -> list[int | str]:
+    """'auto,1,4' -> ['auto', 1, 4]; SmoeError for anything else."""
+    out: list[int | str] = []
+    for item in text.split(","):
+        if item == "auto":
+            out.append(item)
+        elif item.isdigit() and int(item) >= 1:
+            out.append(int(item))
+        else:
+            raise SmoeError(f"--parts takes auto or counts >= 1, e.g. auto,1 (got {item!r})")
+    return out
+
+
 def cmd_bench_io(args: argparse.Namespace) -> int:
     from smoe.bench.io import bench_io
 
@@ -182,11 +195,13 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         seed=args.seed,
         paths=tuple(args.path.split(",")),
         busy=tuple(args.busy),
+        parts=tuple(None if p == "auto" else p for p in _parts_list(args.parts)),
     )
     print(json.dumps(report, indent=1))
     for row in report["sweep"]:
         print(
-            f"{row['path']:>8} busy {row['busy_processes']:>2} workers {row['workers']:>3}: "
+            f"{row['path']:>8} busy {row['busy_processes']:>2} parts {row['read_parts']} "
+            f"workers {row['workers']:>3}: "
             f"baseline {row['baseline_GBps']:.2f} GB/s, "
             f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)",
             file=sys.stderr,
@@ -461,6 +476,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                 lookahead=args.lookahead,
                 device=args.device,
                 ring=args.ring,
+                read_parts=args.read_parts,
             )
         )
     else:
@@ -704,6 +720,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0],
         help="spinning processes beside the reads, e.g. 0,16 (default 0)",
     )
+    bio.add_argument(
+        "--parts",
+        default="auto",
+        help="parts the streamer reads each record in, e.g. auto,1 (auto: one per 2 MB, at most 4)",
+    )
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)
 
@@ -733,6 +754,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         bd.add_argument("--device", choices=("cpu", "gpu"), default=None)
         bd.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+        bd.add_argument(
+            "--read-parts",
+            type=int,
+            default=None,
+            help="parts each record is read in at once (default: one per 2 MB, at most 4)",
+        )
         bd.add_argument("--prompt-tokens", type=int, default=prompt_default)
         bd.add_argument("--max-tokens", type=int, default=48)
         bd.add_argument("--workers", type=int, default=4)

@@ -80,6 +80,7 @@ class EngineOptions:
     # else what does (smoe.ring_plan: the GPU's free memory, or half the available memory)
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
+    read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
@@ -125,6 +126,8 @@ class Engine:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
         if o.workers < 1:
             raise SmoeError("workers must be at least 1")
+        if o.read_parts is not None and o.read_parts < 1:
+            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
         name = o.dtype or ("bfloat16" if self._device == mx.gpu else "float32")
         if name not in ("float32", "bfloat16", "float16"):
             raise SmoeError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
@@ -142,7 +145,9 @@ class Engine:
         self.compute = ComputeThread()
         try:
             self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
-            self.reader = DirectReader(self.vault, self.ring, workers=o.workers, direct=o.direct_io)
+            self.reader = DirectReader(
+                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+            )
             self.popularity = Popularity(self.vault)
             self.tracer.popularity = self.popularity
             policy: Any = o.policy

@@ -66,11 +66,12 @@ async def bench_decode(
     lookahead: bool = True,
     device: str | None = None,
     ring: str = "auto",
+    read_parts: int | None = None,
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
     prompt = random_prompt(vault, prompt_tokens, seed)
-    options: dict[str, Any] = {"device": device, "ring": ring}
+    options: dict[str, Any] = {"device": device, "ring": ring, "read_parts": read_parts}
     bandwidth = raw_bandwidth(vault, workers, seed=seed)
     warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
     compute_s = 1.0 / warm.decode_tok_s
@@ -118,6 +119,7 @@ async def bench_decode(
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "workers": workers,
+        "read_parts": read_parts or "auto",
         "spec": spec,
         "lookahead": lookahead,
         "raw_disk_GBps": round(bandwidth, 3),

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from smoe.errors import SmoeError
-from smoe.io.direct import DirectReader, open_direct
+from smoe.io.direct import DirectReader, open_direct, split_record
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
@@ -152,11 +152,17 @@ def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _
 
 
 async def _streamer(
-    vault: Vault, records: list[int], workers: int, slots: int, batch: int, path: str
+    vault: Vault,
+    records: list[int],
+    workers: int,
+    slots: int,
+    batch: int,
+    path: str,
+    parts: int | None = None,
 ) -> RunResult:
     m = vault.manifest
     ring, committer = make_ring(vault, path, slots, workers)
-    reader = DirectReader(vault, ring, workers=workers)
+    reader = DirectReader(vault, ring, workers=workers, parts=parts)
     sched = ExpertScheduler(
         slots,
         reader,
@@ -201,11 +207,17 @@ async def _streamer(
 
 
 def streamer_run(
-    vault: Vault, records: list[int], workers: int, slots: int, batch: int, path: str = "unified"
+    vault: Vault,
+    records: list[int],
+    workers: int,
+    slots: int,
+    batch: int,
+    path: str = "unified",
+    parts: int | None = None,
 ) -> RunResult:
     from smoe.aio import run
 
-    return run(_streamer(vault, records, workers, slots, batch, path))
+    return run(_streamer(vault, records, workers, slots, batch, path, parts))
 
 
 def _spin() -> None:  # pragma: no cover - runs in a child process until terminated
@@ -245,10 +257,13 @@ def bench_io(
     seed: int = 0,
     paths: tuple[str, ...] = ("unified",),
     busy: tuple[int, ...] = (0,),
+    parts: tuple[int | None, ...] = (None,),
 ) -> dict[str, Any]:
     """Run the sweep; return the JSON-able report. ``paths``: the rings to measure
     ('unified': reads land in the slots; 'staged': host landings committed into device
-    arrays by another thread). ``busy``: numbers of spinning processes to run beside."""
+    arrays by another thread). ``busy``: numbers of spinning processes to run beside.
+    ``parts``: how many parts the streamer reads each record in (None: DirectReader's
+    default), one sweep per value."""
     unknown = set(paths) - {"unified", "staged"}
     if unknown:
         raise SmoeError(f"unknown path {sorted(unknown)[0]!r}: use unified, staged or both")
@@ -263,9 +278,12 @@ def bench_io(
     for load in busy:
         with BusyCPUs(load):
             for path in paths:
-                for w in workers:
-                    rows.append(_sweep_row(vault, stride, n, w, repeats, batch, slots, path, rng))
-                    rows[-1]["busy_processes"] = load
+                for p in parts:
+                    for w in workers:
+                        rows.append(
+                            _sweep_row(vault, stride, n, w, repeats, batch, slots, path, rng, p)
+                        )
+                        rows[-1]["busy_processes"] = load
     fd, direct = open_direct(vault.experts_path)
     os.close(fd)
     return {
@@ -296,6 +314,7 @@ def _sweep_row(
     slots: int,
     path: str,
     rng: random.Random,
+    parts: int | None = None,
 ) -> dict[str, Any]:
     m = vault.manifest
     runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": []}
@@ -308,7 +327,7 @@ def _sweep_row(
             if kind == "baseline":
                 result = baseline_run(vault.experts_path, stride, order, w)
             else:
-                result = streamer_run(vault, order, w, slots, batch, path)
+                result = streamer_run(vault, order, w, slots, batch, path, parts)
             runs[kind].append(result)
     b, s = (
         sum(r.bytes for r in runs[k]) / sum(r.seconds for r in runs[k]) / 1e9
@@ -317,6 +336,7 @@ def _sweep_row(
     return {
         "path": path,
         "workers": w,
+        "read_parts": len(split_record(stride, parts)),
         "baseline_GBps": round(b, 3),
         "streamer_GBps": round(s, 3),
         "ratio": round(s / b, 3),
