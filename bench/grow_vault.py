@@ -25,7 +25,6 @@ import re
 import shutil
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,7 +40,9 @@ from smoe.vault.format import (
     ExpertLayer,
     Manifest,
     Vault,
+    file_checksum,
 )
+from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.tensorfile import write_safetensors
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -106,7 +107,8 @@ def grow(src: Vault, out: Path, layers: int, seed: int = 0) -> Vault:
                 block[:, packed.offset : packed.offset + packed.nbytes] ^= mask
                 checksums += list(
                     pool.map(
-                        lambda e, b=block: zlib.crc32(b[e, : m.record.size]), range(m.num_experts)
+                        lambda e, b=block: digest(DEFAULT_ALGORITHM, b[e, : m.record.size]),
+                        range(m.num_experts),
                     )
                 )
                 f_out.write(memoryview(block))
@@ -132,9 +134,16 @@ def grow(src: Vault, out: Path, layers: int, seed: int = 0) -> Vault:
             layers=tuple(ExpertLayer(i, _renamed(module, i)) for i in range(layers)),
             num_experts=m.num_experts,
             checksums=checksums,
+            checksum_algorithm=DEFAULT_ALGORITHM,
             quantization=m.quantization,
             source={**m.source, "grown_from": str(src.path), "grown_layers": layers},
-            backbone={**m.backbone, "bytes": backbone_bytes, "tensors": len(out_tensors)},
+            backbone={
+                **m.backbone,
+                "bytes": backbone_bytes,
+                "tensors": len(out_tensors),
+                "checksum": file_checksum(tmp / BACKBONE_FILE),
+            },
+            config={"file": CONFIG_FILE, "checksum": file_checksum(tmp / CONFIG_FILE)},
             created=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
             producer=m.producer + " (bench/grow_vault.py)",
         )

@@ -27,7 +27,7 @@ from smoe.topology import (
 )
 
 
-def _safetensors_header(path: Path) -> dict[str, Any]:
+def safetensors_header(path: Path) -> dict[str, Any]:
     """Parse a safetensors header and check that the file holds every byte it declares."""
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -73,7 +73,7 @@ def weight_files(model_dir: Path) -> list[Path]:
                 f"{index_path.name}; download them"
             )
         files = [model_dir / n for n in names]
-        headers = {f.name: _safetensors_header(f) for f in files}
+        headers = {f.name: safetensors_header(f) for f in files}
         for tensor, shard in weight_map.items():
             if tensor not in headers[shard]:
                 raise CheckpointError(
@@ -88,7 +88,7 @@ def weight_files(model_dir: Path) -> list[Path]:
             hint = " (PyTorch .bin weights: re-save them with transformers' save_pretrained)"
         raise CheckpointError(f"{model_dir} holds no model*.safetensors weights{hint}")
     for f in files:
-        _safetensors_header(f)
+        safetensors_header(f)
     return files
 
 

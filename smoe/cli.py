@@ -71,12 +71,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from smoe.vault.format import Vault
-    from smoe.vault.inspect import render, summary, verify
+    from smoe.vault.inspect import render, summary, verify, verify_files
 
     vault = Vault.open(args.vault)
     info = summary(vault)
     bad = None
+    files = []
     if args.verify:
+        files = verify_files(vault)
         bar = None
         if not args.quiet and not args.json:
             from tqdm import tqdm
@@ -96,29 +98,43 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         bad = verify(vault, tick)
         if bar is not None:
             bar.close()
+        bad_files = [f for f in files if f.status == "bad"]
         info["verify"] = {
             "records": vault.manifest.num_records,
-            "bad": [{"layer": b.layer, "expert": b.expert, "index": b.index} for b in bad],
-            "ok": not bad,
+            "bad": [
+                {"layer": b.layer, "expert": b.expert, "index": b.index, "problems": b.problems}
+                for b in bad
+            ],
+            "files": [{"file": f.file, "status": f.status, "message": f.message} for f in files],
+            "ok": not bad and not bad_files,
         }
     if args.json:
         print(json.dumps(info, indent=1))
     else:
         print(render(info))
-        if bad is not None:
-            if bad:
-                for b in bad:
-                    print(
-                        f"BAD record: layer {b.layer}, expert {b.expert} (record {b.index}): "
-                        f"checksum {b.actual:08x}, expected {b.expected:08x}"
-                    )
-                print(
-                    f"verify: {len(bad)} of {vault.manifest.num_records} records are corrupt; "
-                    "convert the model again"
-                )
-            else:
-                print(f"verify: all {vault.manifest.num_records} records match their checksums")
-    return 1 if bad else 0
+        for f in files:
+            print(f"{'BAD file' if f.status == 'bad' else 'verify'}: {f.file} {f.message}")
+        for b in bad or []:
+            what = []
+            if "checksum" in b.problems:
+                what.append(f"checksum {b.actual:x}, expected {b.expected:x}")
+            if b.padding_at is not None:
+                what.append(f"nonzero padding at byte {b.padding_at} of the record")
+            print(
+                f"BAD record: layer {b.layer}, expert {b.expert} (record {b.index}): "
+                + "; ".join(what)
+            )
+        if bad:
+            print(
+                f"verify: {len(bad)} of {vault.manifest.num_records} records are corrupt; "
+                "convert the model again"
+            )
+        elif bad is not None:
+            print(
+                f"verify: all {vault.manifest.num_records} records match their checksums "
+                "and their padding is zero"
+            )
+    return 1 if bad or any(f.status == "bad" for f in files) else 0
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -196,6 +212,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         paths=tuple(args.path.split(",")),
         busy=tuple(args.busy),
         parts=tuple(None if p == "auto" else p for p in _parts_list(args.parts)),
+        verify=not args.no_verify,
     )
     print(json.dumps(report, indent=1))
     for row in report["sweep"]:
@@ -249,6 +266,7 @@ async def _generate(args: argparse.Namespace) -> int:
                 stats, finish = event.stats.to_json(), event.finish_reason
         stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
         stats["ring_slots"] = engine.ring.num_slots
+        stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
         stats["ring_bytes"] = engine.ring.nbytes
         if args.routing_archive:
             stats["routing_archive"] = str(engine.stop_recording().save(args.routing_archive))
@@ -264,10 +282,17 @@ async def _generate(args: argparse.Namespace) -> int:
             f"[{len(tokens)} tokens, {finish}; first token {stats['ttft_s']:.2f} s, "
             f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.2f} "
             f"tok/s, read {format_bytes(stats['bytes_read'])}, hit rate "
-            f"{100 * stats['hit_rate']:.0f}%]",
+            f"{100 * stats['hit_rate']:.0f}%; computed in {stats['compute_dtype_note']}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _dtype_note(engine: Any) -> str:
+    """The compute dtype and why (smoe.compute.model.compute_dtype_note)."""
+    from smoe.compute.model import compute_dtype_note
+
+    return compute_dtype_note(engine.vault, engine.dtype, engine.options.dtype is not None)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -288,7 +313,11 @@ async def _chat(args: argparse.Namespace) -> int:
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
     async with Engine.open(vault, **_engine_options(args)) as engine:
-        print(f"loaded {vault} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        print(
+            f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
+            f"{_dtype_note(engine)}",
+            file=sys.stderr,
+        )
         app = ChatApp(
             engine,
             engine.conversation(system=args.system),
@@ -329,7 +358,11 @@ async def _serve(args: argparse.Namespace) -> int:
     async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
 
         def ready(port: int) -> None:
-            print(f"serving {args.vault} on http://{args.host}:{port}/v1", file=sys.stderr)
+            print(
+                f"serving {args.vault} on http://{args.host}:{port}/v1, computing in "
+                f"{_dtype_note(engine)}",
+                file=sys.stderr,
+            )
 
         await serve(engine, args.host, args.port, options, ready=ready)
     return 0
@@ -591,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument(
         "--verify",
         action="store_true",
-        help="re-read every record and check its checksum (exit 1 if any is bad)",
+        help="re-read every record (checksum, zero padding) and check the backbone's and "
+        "config's checksums (exit 1 if any is bad)",
     )
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_inspect)
@@ -724,6 +758,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         default="auto",
         help="parts the streamer reads each record in, e.g. auto,1 (auto: one per 2 MB, at most 4)",
+    )
+    bio.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not check each record's checksum as it is read (only to measure what "
+        "checking costs: the engine always checks)",
     )
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)

@@ -12,10 +12,8 @@ and prefills only the rest. So a follow-up turn costs its new tokens, not the hi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +22,7 @@ import numpy as np
 
 from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.errors import SmoeError
+from smoe.fsutil import atomic_path, sweep_stale
 
 if TYPE_CHECKING:
     from smoe.engine import Engine, Event, GenerationStats
@@ -164,8 +163,10 @@ class Conversation:
             return other
 
     async def save(self, path: str | Path) -> Path:
-        """Write history, token stream and KV cache to ``path`` (safetensors), atomically.
-        Waits for a turn of this conversation in progress to end."""
+        """Write history, token stream and KV cache to ``path`` (safetensors), atomically:
+        a file already there stays whole until the new one replaces it. Waits for a turn of
+        this conversation in progress to end. Raises SmoeError if the file cannot be written
+        (missing directory, full disk)."""
         async with self._busy:
             return await self._save(Path(path))
 
@@ -181,10 +182,10 @@ class Conversation:
             "system": json.dumps(self.system),
             "messages": json.dumps(self.messages),
         }
-        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
+        sweep_stale(path.parent, suffix=".safetensors")  # what saves killed before left
         seq = self._seq
 
-        def write() -> None:
+        def write(tmp: Path) -> None:
             # Read the stream here, under the engine lock: a cancelled turn's last step
             # may have run after the reply was taken.
             if seq is not None:
@@ -192,18 +193,20 @@ class Conversation:
             meta["tokens"] = json.dumps(seq.tokens if seq is not None else [])
             meta["cached"] = str(seq.cached if seq is not None else 0)
             cache = seq.cache if seq is not None else self.engine.runner.new_cache()
-            save_prompt_cache(str(tmp), cache, meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            try:
+                save_prompt_cache(str(tmp), cache, meta)
+            except RuntimeError as e:  # how mlx reports a file it cannot write
+                raise OSError(str(e)) from None
 
-        try:
-            async with self.engine._lock:
-                await self.engine.compute.run(write)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
+        try:  # .chat.tmp-PID.safetensors: mlx appends .safetensors to a name without it
+            with atomic_path(path, keep_suffix=True) as tmp:
+                async with self.engine._lock:
+                    await self.engine.compute.run(write, tmp)
+        except OSError as e:
+            raise SmoeError(
+                f"cannot save the conversation to {path} ({e}); check that the directory "
+                "exists and has space (a file already there is unchanged)"
+            ) from None
         return path
 
     @classmethod

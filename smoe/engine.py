@@ -59,6 +59,7 @@ class GenerationStats:
     decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
     decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
     decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
+    compute_dtype: str = ""  # e.g. "float32": equal to mlx-lm's run in this same dtype
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -142,6 +143,8 @@ class Engine:
             max_batch=o.max_batch,
             max_context=o.max_context,
         )
+        # The backbone is untrusted: hash it (once per change of the file) before loading it.
+        await asyncio.to_thread(self.vault.verify_backbone)
         self.compute = ComputeThread()
         try:
             self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
@@ -458,7 +461,9 @@ class Engine:
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
             detok.reset()
-        stats = GenerationStats(prompt_tokens=prompt_len)
+        stats = GenerationStats(
+            prompt_tokens=prompt_len, compute_dtype=str(self.dtype).split(".")[-1]
+        )
         t_first: float | None = None
         finish = "length"
         try:

@@ -21,3 +21,83 @@ class CheckpointError(SmoeError):
 
 class VaultError(SmoeError):
     """A vault is missing, incomplete, corrupt, or of another format version."""
+
+
+class VaultReadError(VaultError):
+    """Reading the vault's expert file failed: an I/O error, a truncated file, or a record
+    whose bytes do not match its checksum. The message names the file, the record, its
+    layer and expert, and the fix.
+
+    Attributes: ``path`` (the file), ``record`` and ``key`` ((layer, expert); None when the
+    failure is not one record's, e.g. the O_DIRECT probe at open), ``errno`` (the OS
+    error's, None when there was none, e.g. a truncated file or a checksum mismatch).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object,
+        record: int | None = None,
+        key: tuple[int, int] | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.record = record
+        self.key = key
+        self.errno = errno
+
+
+class RecordChecksumError(VaultReadError):
+    """A record's bytes did not match the manifest's checksum, read after read (a
+    transient bus or DMA error is re-read first): the vault file is corrupt there.
+    ``algorithm``, ``expected`` and ``actual`` say which checksum and what it was."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object,
+        record: int,
+        key: tuple[int, int],
+        algorithm: str,
+        expected: int,
+        actual: int,
+    ) -> None:
+        super().__init__(message, path=path, record=record, key=key)
+        self.algorithm = algorithm
+        self.expected = expected
+        self.actual = actual
+
+
+class ExpertReadError(SmoeError):
+    """An expert that a request needs could not be read into the ring; every request
+    waiting for that read fails with this error (the scheduler's ``ReadError``).
+
+    ``key`` is (layer, expert), ``record`` the vault record, ``cause`` the read backend's
+    exception (also ``__cause__``); ``path`` and ``errno`` are the cause's when it has
+    them. The message is one line: the cause's own when it is a SmoeError (a
+    VaultReadError names the file, record, layer, expert and fix), else one naming the
+    expert, the cause and what to check.
+    """
+
+    def __init__(self, key: tuple[int, int], record: int, cause: BaseException) -> None:
+        layer, expert = key
+        where = f"reading expert {expert} of layer {layer} (record {record}) failed"
+        if isinstance(cause, SmoeError):
+            message = str(cause)
+        elif isinstance(cause, OSError):
+            message = (
+                f"{where}: {cause}; check the disk (dmesg) and the vault "
+                "('smoe inspect VAULT --verify')"
+            )
+        else:  # not the disk's doing: a bug, whose traceback stays in __cause__
+            message = f"{where}: {type(cause).__name__}: {cause} (an internal error)"
+        super().__init__(" ".join(message.split()))  # one line, whatever the cause said
+        self.__cause__ = cause
+        self.key = key
+        self.record = record
+        self.cause = cause
+        self.path = getattr(cause, "path", None) or getattr(cause, "filename", None)
+        self.errno: int | None = getattr(cause, "errno", None)

@@ -300,3 +300,119 @@ def test_peak_memory_is_about_one_layer(hf_dir, tmp_path):
     convert(src, tmp_path / "v", ConvertOptions(bits=16))
     peak = mx.get_peak_memory()
     assert peak < 1.5 * vault_bytes_per_layer, (peak, vault_bytes_per_layer)
+
+
+# ------------------------------------------------------------------ crash safety (issue 13)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # reaped: its PID runs nothing now
+    return p.pid
+
+
+def test_force_keeps_a_vault_at_the_target_at_every_step(hf_dir, tmp_path, monkeypatch):
+    """After every rename of a --force replacement the target is a whole vault: a kill at
+    any of them leaves one (two renames left none in between)."""
+    import os
+
+    import smoe.fsutil as fsutil
+
+    dst = tmp_path / "v"
+    convert(hf_dir("olmoe"), dst)
+    seen: list[tuple[str, bool]] = []
+
+    def watch(name, fn):
+        def wrapped(*args, **kwargs):
+            fn(*args, **kwargs)
+            seen.append((name, (dst / "manifest.json").is_file()))
+
+        return wrapped
+
+    monkeypatch.setattr(os, "rename", watch("rename", os.rename))
+    monkeypatch.setattr(os, "replace", watch("replace", os.replace))
+    if hasattr(fsutil, "exchange"):
+        monkeypatch.setattr(fsutil, "exchange", watch("exchange", fsutil.exchange))
+    convert(hf_dir("olmoe"), dst, ConvertOptions(force=True, bits=8))
+    assert seen and all(ok for _, ok in seen), seen
+    assert Vault.open(dst).manifest.quantization["experts"]["bits"] == 8
+
+
+@pytest.mark.parametrize("new_complete", [True, False])
+def test_a_swap_killed_between_its_renames_is_repaired(new_complete, hf_dir, tmp_path):
+    """What a kill between the two renames of the fallback swap leaves: no target, the old
+    vault aside, the new one beside it. The next convert finishes (or undoes) the swap and
+    refuses to overwrite without --force, instead of converting as if there were none."""
+    import shutil
+
+    old = convert(hf_dir("olmoe"), tmp_path / "old")
+    new = convert(hf_dir("olmoe"), tmp_path / "new", ConvertOptions(bits=8))
+    pid = _dead_pid()
+    old.path.rename(tmp_path / f".v.old-{pid}")
+    new.path.rename(tmp_path / f".v.converting-{pid}")
+    if not new_complete:
+        (tmp_path / f".v.converting-{pid}" / "manifest.json").unlink()
+    with pytest.raises(SmoeError, match="pass --force"):
+        convert(hf_dir("olmoe"), tmp_path / "v")
+    assert [p.name for p in tmp_path.iterdir()] == ["v"]
+    bits = Vault.open(tmp_path / "v").manifest.quantization["experts"]["bits"]
+    assert bits == (8 if new_complete else 4)
+    shutil.rmtree(tmp_path / "v")
+
+
+def test_dead_conversions_leftovers_are_removed_live_ones_kept(hf_dir, tmp_path):
+    import os
+
+    dead, live = _dead_pid(), os.getppid()
+    (tmp_path / f".v.converting-{dead}").mkdir()
+    (tmp_path / f".v.converting-{dead}" / "experts.bin").write_bytes(b"\0" * 65536)
+    (tmp_path / f".v.converting-{live}").mkdir()  # another conversion still running
+    (tmp_path / f".w.converting-{dead}").mkdir()  # another target's: not this run's business
+    (tmp_path / ".v.notes").write_text("not ours")
+    convert(hf_dir("olmoe"), tmp_path / "v")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".v.notes", f".v.converting-{live}", f".w.converting-{dead}", "v"]
+    )
+    # leftovers beside a vault: a killed build, and the old tree of a swap killed after it
+    (tmp_path / f".v.converting-{dead}").mkdir()
+    (tmp_path / f".v.old-{dead}").mkdir()
+    with pytest.raises(SmoeError, match="pass --force"):
+        convert(hf_dir("olmoe"), tmp_path / "v")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".v.notes", f".v.converting-{live}", f".w.converting-{dead}", "v"]
+    )
+
+
+def test_free_space_estimate_is_the_vault_size(tmp_path, monkeypatch):
+    """The space asked for before converting is what the vault takes (records at their
+    stride, the backbone as written: cast, quantized; side files) plus a small margin, so
+    a disk with room for the vault is not refused. It used to count the source experts of
+    every layer but the first as backbone: 2.4x to 4x too much on real models."""
+    import smoe.vault.convert as conv
+    from tests.conftest import make_hf_checkpoint
+
+    src = make_hf_checkpoint(tmp_path / "src", "qwen3_moe", num_hidden_layers=4)
+    estimates: list[int] = []
+    real = conv._estimate_bytes
+
+    def spy(plan, layout):
+        estimates.append(real(plan, layout))
+        return estimates[-1]
+
+    monkeypatch.setattr(conv, "_estimate_bytes", spy)
+    encodings = [
+        ConvertOptions(),
+        ConvertOptions(bits=16),
+        ConvertOptions(bits=8, group_size=32, dtype="float32", backbone_bits=8),
+    ]
+    sizes = []
+    for i, opts in enumerate(encodings):
+        vault = convert(src, tmp_path / f"v{i}", opts)
+        sizes.append(sum(p.stat().st_size for p in vault.path.rglob("*") if p.is_file()))
+        assert sizes[-1] <= estimates[-1] <= 1.1 * sizes[-1], (opts, estimates[-1], sizes[-1])
+    # a disk with 5% more free space than the vault needs converts it
+    monkeypatch.setattr(conv, "free_bytes", lambda p: int(1.05 * sizes[0]))
+    convert(src, tmp_path / "tight", encodings[0])

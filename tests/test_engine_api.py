@@ -134,6 +134,11 @@ async def test_bad_input_fails_before_any_work(vault):
             await engine.logits([1, 10**6])
         with pytest.raises(SmoeError, match="temperature"):
             await collect(engine, [1, 2], temperature=-1)
+        for bad in (float("nan"), float("inf")):  # NaN passes "< 0": checked apart
+            with pytest.raises(SmoeError, match="temperature must be a finite number"):
+                await collect(engine, [1, 2], temperature=bad)
+            with pytest.raises(SmoeError, match="top_p must be a finite number"):
+                await collect(engine, [1, 2], top_p=bad)
         assert engine.scheduler.stats.misses == 0  # nothing was read
 
 

@@ -1,4 +1,5 @@
-"""smoe inspect: the summary, --json, and --verify catching a flipped byte."""
+"""smoe inspect: the summary, --json, and --verify catching a flipped byte in a record, its
+padding, or the backbone; a manifest that lies about the layout cannot reach --verify."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_verify_clean(vault, run_cli):
     assert verify(vault) == []
     code, out, _ = run_cli("inspect", vault.path, "--verify", "--quiet")
     assert code == 0 and "all 16 records match" in out
+    assert "backbone.safetensors matches its checksum" in out
+    assert "config.json matches its checksum" in out
 
 
 @pytest.mark.parametrize(("layer", "expert", "where"), [(1, 5, 0), (0, 0, -1), (1, 7, 1000)])
@@ -59,7 +62,12 @@ def test_verify_names_each_corrupt_record(vault, run_cli, layer, expert, where):
     code, out, _ = run_cli("inspect", vault.path, "--verify", "--json")
     assert code == 1
     assert json.loads(out)["verify"]["bad"] == [
-        {"layer": layer, "expert": expert, "index": m.record_index(layer, expert)}
+        {
+            "layer": layer,
+            "expert": expert,
+            "index": m.record_index(layer, expert),
+            "problems": ["checksum"],
+        }
     ]
 
 
@@ -70,3 +78,57 @@ def test_padding_is_not_checksummed_but_is_zero(vault):
     for i in range(m.num_records):
         pad = data[i * m.record.stride + m.record.size : (i + 1) * m.record.stride]
         assert pad == bytes(len(pad))
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("gap", ["between components", "after size"])
+def test_verify_reports_a_flipped_padding_byte(vault, run_cli, gap):
+    """The padding after ``size`` is outside the checksum: only the zero check sees it (a
+    gap between components is inside both)."""
+    m = vault.manifest
+    gaps = m.record.padding()
+    start, end = gaps[0] if gap == "between components" else gaps[-1]
+    assert (end == m.record.stride) == (gap == "after size")
+    at = (start + end) // 2
+    _flip(vault.experts_path, m.record_offset(1, 3) + at)
+    problems = ["padding"] if gap == "after size" else ["checksum", "padding"]
+    assert [(b.layer, b.expert, b.padding_at, b.problems) for b in verify(vault)] == [
+        (1, 3, at, problems)
+    ]
+    code, out, _ = run_cli("inspect", vault.path, "--verify", "--quiet")
+    assert code == 1
+    assert f"BAD record: layer 1, expert 3 (record {m.record_index(1, 3)}): " in out
+    assert f"nonzero padding at byte {at} of the record" in out
+    assert "convert the model again" in out
+    code, out, _ = run_cli("inspect", vault.path, "--verify", "--json")
+    assert code == 1 and json.loads(out)["verify"]["bad"][0]["problems"] == problems
+
+
+def test_verify_reports_a_flipped_backbone_byte(vault, run_cli):
+    _flip(vault.backbone_path, vault.backbone_path.stat().st_size // 2)
+    code, out, _ = run_cli("inspect", vault.path, "--verify", "--quiet")
+    assert code == 1
+    assert "BAD file: backbone.safetensors" in out and "convert the model again" in out
+    assert "all 16 records match" in out  # the records themselves are fine
+    code, out, _ = run_cli("inspect", vault.path, "--verify", "--json")
+    files = {f["file"]: f["status"] for f in json.loads(out)["verify"]["files"]}
+    assert code == 1 and files == {"backbone.safetensors": "bad", "config.json": "ok"}
+
+
+@pytest.mark.parametrize("delta", [256, -256, 2**63])
+def test_a_bad_offset_cannot_pass_verify(vault, run_cli, delta):
+    """A shifted component offset made the engine read the wrong bytes while --verify
+    said every record matched (the checksum covers the bytes, not what they mean)."""
+    manifest = json.loads((vault.path / "manifest.json").read_text())
+    manifest["record"]["components"][2]["offset"] += delta
+    (vault.path / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli("inspect", vault.path, "--verify", "--quiet")
+    assert code == 2 and not out
+    assert "record.components[2].offset" in err and "convert the model again" in err

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import json
 import os
 import random
 import shutil
 import sys
 import threading
 import warnings
-import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 
 from smoe.errors import SmoeError
-from smoe.io import BufferedIOWarning, DirectReader, VaultReadError, open_direct
+from smoe.io import BufferedIOWarning, DirectReader, StagedRing, VaultReadError, open_direct
 from smoe.io import UnifiedRing as Ring
 from smoe.io.ring import slots_for_budget, suggest_size
 from smoe.units import parse_size
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
 from smoe.vault.format import RECORD_ALIGN, RecordLayout, Vault
+from smoe.vault.integrity import digest
 
 SAFETY = 30  # seconds: a bug fails a test instead of hanging it; never used to synchronise
 _real_preadv = os.preadv
@@ -83,6 +84,11 @@ def fill(vault: Vault, ring: Ring, placement: dict[int, int]) -> None:
             assert os.preadv(fd, [ring.slot_memory(slot)], record * stride) == stride
     finally:
         os.close(fd)
+
+
+def checksum(manifest, data) -> int:
+    """The manifest's checksum of ``data`` (crc32 or xxh3_64, as the vault says)."""
+    return digest(manifest.checksum_algorithm, data)
 
 
 def expected(vault: Vault, record: int) -> dict[str, mx.array]:
@@ -303,7 +309,7 @@ async def test_reader_fills_every_slot_concurrently_with_checksummed_bytes(q4):
         assert sizes == [m.record.stride] * m.num_records
         for slot, record in enumerate(records):
             data = bytes(ring.slot_memory(slot)[: m.record.size])
-            assert zlib.crc32(data) == m.checksums[record]
+            assert checksum(m, data) == m.checksums[record]
         views = ring.views()
         for slot in (0, m.num_records - 1):
             for name, ref in expected(q4, records[slot]).items():
@@ -334,7 +340,7 @@ def test_direct_false_opens_buffered_without_warning(q4):
         assert not reader.direct
         assert asyncio.run(reader.read(5, 1)) == reader.stride
         assert (
-            zlib.crc32(bytes(reader.ring.slot_memory(1)[: q4.manifest.record.size]))
+            checksum(q4.manifest, reader.ring.slot_memory(1)[: q4.manifest.record.size])
             == q4.manifest.checksums[5]
         )
 
@@ -359,7 +365,7 @@ def test_fallback_when_open_refuses_o_direct(q4, monkeypatch):
         assert not reader.direct
         assert asyncio.run(reader.read(3, 0)) == reader.stride
         assert (
-            zlib.crc32(bytes(reader.ring.slot_memory(0)[: q4.manifest.record.size]))
+            checksum(q4.manifest, reader.ring.slot_memory(0)[: q4.manifest.record.size])
             == q4.manifest.checksums[3]
         )
 
@@ -404,7 +410,7 @@ async def test_vault_on_dev_shm(q4):
             assert bool(warned) == (not reader.direct)
             assert await reader.read(vault.manifest.num_records - 1, 1) == reader.stride
             data = bytes(reader.ring.slot_memory(1)[: vault.manifest.record.size])
-            assert zlib.crc32(data) == vault.manifest.checksums[-1]
+            assert checksum(vault.manifest, data) == vault.manifest.checksums[-1]
     finally:
         shutil.rmtree(shm)
 
@@ -424,7 +430,7 @@ async def test_short_reads_are_continued(q4, monkeypatch):
     base = 7 * reader.stride
     assert offsets == list(range(base, base + reader.stride, 4096))
     assert (
-        zlib.crc32(bytes(reader.ring.slot_memory(1)[: q4.manifest.record.size]))
+        checksum(q4.manifest, reader.ring.slot_memory(1)[: q4.manifest.record.size])
         == q4.manifest.checksums[7]
     )
 
@@ -444,7 +450,7 @@ async def test_interrupted_reads_are_retried(q4, monkeypatch):
         assert await reader.read(2, 0) == reader.stride
     assert calls == [2 * reader.stride] * 2
     assert (
-        zlib.crc32(bytes(reader.ring.slot_memory(0)[: q4.manifest.record.size]))
+        checksum(q4.manifest, reader.ring.slot_memory(0)[: q4.manifest.record.size])
         == q4.manifest.checksums[2]
     )
 
@@ -463,9 +469,10 @@ async def test_truncated_vault_names_the_record(q4, tmp_path, keep):
         with pytest.raises(VaultReadError) as e:
             await reader.read(last, 0)
     err = e.value
-    assert isinstance(err, OSError)
-    assert f"vault file truncated at record {last}" in str(err)
+    assert isinstance(err, SmoeError) and not isinstance(err, OSError)  # one line, exit 2
+    assert f"(record {last}, bytes" in str(err) and "truncated" in str(err)
     assert f"expert {expert} of layer {layer}" in str(err) and str(vault.experts_path) in str(err)
+    assert f"smoe inspect {vault.path} --verify" in str(err) and "\n" not in str(err)
     assert (err.record, err.key, err.path, err.errno) == (
         last,
         (layer, expert),
@@ -486,8 +493,8 @@ async def test_io_error_names_the_record(q4, monkeypatch):
             await reader.read(m.record_index(m.layers[1].layer, 6), 0)
     assert e.value.errno == errno.EIO and e.value.key == (m.layers[1].layer, 6)
     assert f"expert 6 of layer {m.layers[1].layer} (record {m.num_experts + 6}" in str(e.value)
-    assert os.strerror(errno.EIO) in str(e.value)
-    assert isinstance(e.value.__cause__, OSError)
+    assert f"{os.strerror(errno.EIO)} (EIO)" in str(e.value) and "dmesg" in str(e.value)
+    assert isinstance(e.value, SmoeError) and isinstance(e.value.__cause__, OSError)
 
 
 def test_reader_rejects_bad_arguments(q4, vaults):
@@ -511,14 +518,14 @@ def test_reader_rejects_bad_arguments(q4, vaults):
 
 
 class Blocking:
-    """Stands in for DirectReader._read_into: each call blocks until the test releases it.
+    """Wraps DirectReader._read_into: each call blocks until the test releases it.
 
     Use it as a context manager inside the reader's: leaving it releases every blocked call,
     so a failing test cannot leave close() waiting for a thread forever.
     """
 
     def __init__(self, reader: DirectReader) -> None:
-        self.result = reader.stride
+        self.real = reader._read_into
         self.started: dict[int, threading.Event] = {}
         self.release: dict[int, threading.Event] = {}
         self.log: list[str] = []
@@ -539,12 +546,12 @@ class Blocking:
     async def wait_started(self, record: int) -> None:
         assert await asyncio.to_thread(self.started[record].wait, SAFETY), "read never started"
 
-    def __call__(self, record: int, slot: int) -> int:
+    def __call__(self, record: int, slot: int):
         self.threads.append(threading.current_thread().name)
         self.started[record].set()
         self.release[record].wait()
         self.log.append(f"thread {record} done")
-        return self.result
+        return self.real(record, slot)  # then the real read (quick), verified as usual
 
 
 @pytest.mark.asyncio
@@ -706,7 +713,7 @@ async def test_a_record_read_in_parts_lands_whole_and_errors_wait_for_every_part
         assert await reader.read(3, 1) == m.record.stride
         assert len(threads) >= 2  # the worker and at least one helper
         got = np.frombuffer(ring.slot_memory(1), np.uint8)[: m.record.size]
-        assert zlib.crc32(got) == m.checksums[3]
+        assert checksum(m, got) == m.checksums[3]
 
         finished = []
 
@@ -721,3 +728,194 @@ async def test_a_record_read_in_parts_lands_whole_and_errors_wait_for_every_part
         with pytest.raises(VaultReadError, match="injected"):
             await reader.read(2, 0)
         assert len(finished) == len(reader._parts) - 1 >= 2  # the others were waited for
+
+
+# ---------------------------------------------------------------------------- trust
+
+
+def flip_bit(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x80]))
+
+
+def flipping(record_offsets: set[int], times: int | None = None):
+    """os.preadv that flips one bit of what it reads at ``record_offsets`` (the first
+    ``times`` reads of each; None: every read), as a bus or DMA error would."""
+    flips: dict[int, int] = {}
+
+    def read(fd, buffers, offset):
+        n = _real_preadv(fd, buffers, offset)
+        if offset in record_offsets and (times is None or flips.get(offset, 0) < times):
+            flips[offset] = flips.get(offset, 0) + 1
+            buffers[0][100] ^= 0x04
+        return n
+
+    read.flips = flips
+    return read
+
+
+@pytest.mark.asyncio
+async def test_a_record_corrupted_in_transit_is_read_again_and_lands_intact(q4, monkeypatch):
+    m = q4.manifest
+    ring = Ring(m.record, 2)
+    with DirectReader(q4, ring, workers=1) as reader:
+        spy = flipping({5 * reader.stride}, times=1)
+        monkeypatch.setattr(os, "preadv", spy)
+        assert await reader.read(5, 1) == reader.stride
+        assert spy.flips == {5 * reader.stride: 1} and reader.rereads == 1
+    assert checksum(m, ring.slot_memory(1)[: m.record.size]) == m.checksums[5]
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "xxh3_64"])
+@pytest.mark.asyncio
+async def test_a_corrupt_record_fails_after_one_reread_naming_it(q4, tmp_path, algorithm):
+    """Both checksum algorithms (crc32: vaults made before xxh3_64) are verified; a record
+    whose bytes on disk are wrong is read twice, then fails with the record, expert, file
+    and fix, and nothing was handed to the slot."""
+    from smoe.errors import RecordChecksumError
+    from smoe.vault.integrity import digest
+
+    shutil.copytree(q4.path, tmp_path / "v")
+    manifest = tmp_path / "v" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    m = q4.manifest
+    blob = q4.experts_path.read_bytes()
+    data["checksums"] = {
+        "algorithm": algorithm,
+        "values": [
+            digest(algorithm, blob[i * m.record.stride :][: m.record.size])
+            for i in range(m.num_records)
+        ],
+    }
+    manifest.write_text(json.dumps(data))
+    vault = Vault.open(tmp_path / "v")
+    bad = m.num_experts + 3
+    flip_bit(vault.experts_path, bad * m.record.stride + 7)
+    staged = StagedRing(m.record, 2, mx.float32, landings=1)
+    for ring in (Ring(m.record, 2), staged):
+        with DirectReader(vault, ring, workers=1) as reader:
+            assert await reader.read(bad - 1, 0) == reader.stride  # its neighbours are fine
+            ring.commit()
+            with pytest.raises(RecordChecksumError) as e:
+                await reader.read(bad, 1)
+            assert reader.rereads == 1
+            assert await reader.read(bad + 1, 1) == reader.stride  # still usable
+        err = e.value
+        layer, expert = m.record_key(bad)
+        assert isinstance(err, SmoeError) and "\n" not in str(err)
+        assert (err.record, err.key, err.path, err.algorithm) == (
+            bad,
+            (layer, expert),
+            vault.experts_path,
+            algorithm,
+        )
+        assert err.expected == vault.manifest.checksums[bad] != err.actual
+        message = str(err)
+        assert f"expert {expert} of layer {layer} (record {bad}," in message
+        assert str(vault.experts_path) in message and f"its {algorithm} checksum" in message
+        assert f"smoe inspect {vault.path} --verify" in message and "dmesg" in message
+    # The staged ring committed the two good records only: the bad landing never queued.
+    assert staged.commits == 1 and staged.commit() == 1 and staged.pending() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_staged_landing_is_verified_before_it_can_be_committed(q4, monkeypatch):
+    """The landing of a read whose bytes mismatch is given back, never queued for the
+    commit: with one landing buffer, the re-read reuses it and only good bytes commit."""
+    m = q4.manifest
+    ring = StagedRing(m.record, 2, mx.float32, landings=1)
+    queued = []
+    hand_over = ring._hand_over
+    monkeypatch.setattr(ring, "_hand_over", lambda s, land: (queued.append(s), hand_over(s, land)))
+    with DirectReader(q4, ring, workers=1) as reader:
+        monkeypatch.setattr(os, "preadv", flipping({9 * reader.stride}, times=1))
+        assert await reader.read(9, 1) == reader.stride
+        assert reader.rereads == 1 and queued == [1] and ring.pending() == 1
+    assert ring.commit() == 1
+    for name, ref in expected(q4, 9).items():
+        got = ring.banks()[0][name][1]
+        assert mx.array_equal(got, ref.astype(got.dtype)).item(), name
+
+
+@pytest.mark.asyncio
+async def test_a_worker_reads_on_while_its_last_record_is_verified(q4, monkeypatch):
+    """Hashing is pipelined: with one worker, the second record is read while the first
+    one's hash is held up; neither read completes before its own hash is done."""
+    reader = DirectReader(q4, Ring(q4.manifest.record, 2), workers=1)
+    real_hash = reader._hash
+    gate, hashing, second_read = threading.Event(), threading.Event(), threading.Event()
+
+    def held(data):
+        if not hashing.is_set():  # the first record's hash only
+            hashing.set()
+            assert gate.wait(SAFETY), "the hash was never released"
+        return real_hash(data)
+
+    def spy(fd, buffers, offset):
+        n = _real_preadv(fd, buffers, offset)
+        if offset == 2 * reader.stride:
+            second_read.set()
+        return n
+
+    reader._hash = held
+    monkeypatch.setattr(os, "preadv", spy)
+    with reader:
+        try:
+            first = asyncio.create_task(reader.read(1, 0))
+            assert await asyncio.to_thread(hashing.wait, SAFETY)  # record 1 is being hashed
+            second = asyncio.create_task(reader.read(2, 1))
+            assert await asyncio.to_thread(second_read.wait, SAFETY), "the worker waited"
+            await loop_turns()
+            assert not first.done() and not second.done()  # both wait for their hashes
+        finally:
+            gate.set()
+        assert await first == reader.stride and await second == reader.stride
+
+
+@pytest.mark.parametrize(("failures", "ok"), [(2, True), (3, False)])
+@pytest.mark.parametrize("kind", [errno.EINTR, errno.EAGAIN])
+@pytest.mark.asyncio
+async def test_transient_errors_are_retried_three_times_at_most(
+    q4, monkeypatch, kind, failures, ok
+):
+    calls = []
+
+    def failing(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) <= failures:
+            raise OSError(kind, os.strerror(kind))
+        return _real_preadv(fd, buffers, offset)
+
+    with DirectReader(q4, Ring(q4.manifest.record, 1)) as reader:
+        monkeypatch.setattr(os, "preadv", failing)
+        if ok:
+            assert await reader.read(4, 0) == reader.stride
+        else:
+            with pytest.raises(VaultReadError) as e:
+                await reader.read(4, 0)
+            assert e.value.errno == kind and errno.errorcode[kind] in str(e.value)
+    assert len(calls) == min(failures + 1, 3)
+
+
+@pytest.mark.asyncio
+async def test_an_io_error_on_the_direct_io_probe_names_the_file(q4, monkeypatch):
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(VaultReadError) as e:
+        DirectReader(q4, Ring(q4.manifest.record, 1))
+    assert isinstance(e.value, SmoeError) and e.value.errno == errno.EIO
+    assert str(q4.experts_path) in str(e.value) and "(EIO)" in str(e.value)
+    assert "dmesg" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.asyncio
+async def test_verification_can_be_switched_off_for_benchmarks(q4, monkeypatch):
+    with DirectReader(q4, Ring(q4.manifest.record, 1), workers=1, verify=False) as reader:
+        monkeypatch.setattr(os, "preadv", flipping({3 * reader.stride}))
+        assert await reader.read(3, 0) == reader.stride  # unchecked: the flip goes through
+        assert reader.rereads == 0

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +95,174 @@ async def test_hot_policy_pins_the_history(vault):
         assert len(engine.scheduler.policy.hot) == 4
         await engine.logits(list(range(5, 30)))
         engine.scheduler.check_invariants()
+
+
+# ------------------------------------------------------------------ robustness (issue 13)
+
+
+@pytest.fixture(scope="module")
+def shared_vault(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learn-shared")
+    return convert(
+        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=9),
+        root / "v",
+        ConvertOptions(dtype="float32"),
+    )
+
+
+def fresh_copy(vault, tmp_path):
+    from smoe.vault.format import Vault
+
+    shutil.copytree(vault.path, tmp_path / "v")
+    return Vault.open(tmp_path / "v")
+
+
+def _npz(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _bad_files(shape):
+    good = _npz(counts=np.ones(shape))
+    npy = io.BytesIO()
+    np.save(npy, np.ones(shape))
+    return {
+        "truncated": good[: len(good) // 2],
+        "zip-like": b"PK\x03\x04" + b"\x00" * 200,
+        "empty": b"",
+        "junk": b"not a numpy file at all",
+        "npy-not-npz": npy.getvalue(),
+        "no-counts": _npz(other=np.ones(shape)),
+        "wrong-shape": _npz(counts=np.ones((shape[0] + 1, shape[1]))),
+        "nan": _npz(counts=np.full(shape, np.nan)),
+        "negative": _npz(counts=-np.ones(shape)),
+        "strings": _npz(counts=np.array(["a", "b"])),
+    }
+
+
+BAD = list(_bad_files((2, 2)))
+
+
+@pytest.mark.parametrize("kind", BAD)
+async def test_a_bad_popularity_file_is_set_aside_with_a_warning(kind, shared_vault, tmp_path):
+    vault = fresh_copy(shared_vault, tmp_path)
+    shape = (len(vault.manifest.layers), vault.manifest.num_experts)
+    path = vault.stats_dir / "popularity.npz"
+    path.write_bytes(_bad_files(shape)[kind])
+    with pytest.warns(UserWarning, match=r"ignoring expert popularity .*counting afresh") as got:
+        pop = Popularity(vault)
+    assert len(got) == 1 and "\n" not in str(got[0].message)
+    assert not pop.counts.any()
+    assert (vault.stats_dir / "popularity.npz.corrupt").read_bytes() == _bad_files(shape)[kind]
+    pop.add_counts(pop.layers, np.ones(shape))
+    assert pop.save() == path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a good file again: no more warnings
+        assert np.array_equal(Popularity(vault).counts, np.ones(shape))
+
+
+async def test_engine_opens_a_vault_whose_popularity_is_truncated(shared_vault, tmp_path):
+    vault = fresh_copy(shared_vault, tmp_path)
+    good = _npz(counts=np.ones((len(vault.manifest.layers), vault.manifest.num_experts)))
+    (vault.stats_dir / "popularity.npz").write_bytes(good[:100])
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        async with Engine.open(vault.path) as engine:
+            await engine.logits(list(range(5, 30)))
+            counted = engine.popularity.session.sum()
+    assert [str(w.message) for w in got if "popularity" in str(w.message)] == [
+        f"ignoring expert popularity {vault.stats_dir / 'popularity.npz'}: unreadable "
+        "(BadZipFile: File is not a zip file); moved to popularity.npz.corrupt; counting afresh"
+    ]
+    assert Popularity(vault).counts.sum() == counted > 0
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # p.pid: a process that no longer runs
+    return p.pid
+
+
+async def test_dead_saves_temporaries_are_swept_when_the_vault_opens(shared_vault, tmp_path):
+    vault = fresh_copy(shared_vault, tmp_path)
+    dead = vault.stats_dir / f".popularity.tmp-{_dead_pid()}.npz"
+    live = vault.stats_dir / f".popularity.tmp-{os.getppid()}.npz"
+    other = vault.stats_dir / "notes.txt"
+    for f in (dead, live, other):
+        f.write_bytes(b"partial")
+    Popularity(vault)
+    assert not dead.exists() and live.exists() and other.exists()
+
+
+ROOT = str(Path(__file__).resolve().parents[1])
+CONCURRENT = """
+import sys
+import numpy as np
+from smoe.learning import Popularity
+from smoe.vault.format import Vault
+
+pop = Popularity(Vault.open(sys.argv[1]))
+i = int(sys.argv[2])
+pop.add_counts(pop.layers, np.arange(pop.counts.size).reshape(pop.counts.shape) * i + i)
+print("loaded", flush=True)
+assert sys.stdin.readline() == "go\\n"  # every process has loaded before any saves
+pop.save()
+"""
+
+
+def _run_together(vault_path, n: int) -> list[int]:
+    """Start n CONCURRENT processes, let them all load, then let them all save."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT, str(vault_path), str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(1, n + 1)
+    ]
+    for p in procs:
+        assert p.stdout.readline() == "loaded\n"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return [p.wait(timeout=120) for p in procs]
+
+
+async def test_concurrent_processes_keep_every_count(shared_vault, tmp_path):
+    """Six processes load, then all save at once: the file holds the sum of all of them."""
+    vault = fresh_copy(shared_vault, tmp_path)
+    base = Popularity(vault)
+    base.add_counts(base.layers, np.full(base.counts.shape, 1000.0))
+    base.save()
+    n = 6
+    assert _run_together(vault.path, n) == [0] * n
+    grid = np.arange(base.counts.size).reshape(base.counts.shape)
+    expected = 1000.0 + sum(grid * i + i for i in range(1, n + 1))
+    assert np.array_equal(Popularity(vault).counts, expected)
+    assert sorted(p.name for p in vault.stats_dir.iterdir()) == [
+        "popularity.lock",
+        "popularity.npz",
+    ]
+
+
+async def test_opening_never_waits_for_a_held_lock(shared_vault, tmp_path):
+    """A save holding the lock (say, a stopped process) must not block opening the vault."""
+    import threading
+
+    from smoe.fsutil import file_lock
+
+    vault = fresh_copy(shared_vault, tmp_path)
+    pop = Popularity(vault)
+    pop.add_counts(pop.layers, np.ones(pop.counts.shape))
+    pop.save()
+    got = []
+    with file_lock(vault.stats_dir / "popularity.lock"):
+        t = threading.Thread(target=lambda: got.append(Popularity(vault).counts))
+        t.start()
+        t.join(timeout=60)  # only a regression waits: then it fails instead of hanging
+    t.join()
+    assert len(got) == 1 and np.array_equal(got[0], np.ones(pop.counts.shape))

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from smoe.errors import SmoeError
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.sched.types import Priority, ReadError, RingTooSmall, SlotState
 from tests.fakes import ControlledBackend, QueuedBackend, record_of, settle
@@ -225,6 +226,67 @@ async def test_io_error_reaches_every_awaiter_and_leaks_nothing():
     be.auto = True
     assert await sched.acquire(2, [7])  # a later request reads it again
     await sched.close()
+
+
+async def test_a_failed_wait_releases_nothing_its_holder_releases_once():
+    """One owner per pin: wait()/wait_any() raise a failed read's ReadError (a SmoeError)
+    and leave the pins to the Reservation's holder, whose release is the only one. (They
+    used to release too, so the holder's ``finally`` released every slot a second time.)"""
+    sched, be = make(slots=4)
+    owner = object()
+    res = await sched.reserve(2, [7, 1, 3], owner=owner)
+    await settle()
+    be.complete(201)
+    be.complete(207, OSError(5, "Input/output error"))
+    await settle()
+    be.complete(203)  # (two workers: its read started after one of those ended)
+    await settle()
+    with pytest.raises(ReadError, match="expert 7 of layer 2") as e:
+        await res.wait_any([0, 2])
+    assert isinstance(e.value, SmoeError) and not isinstance(e.value, OSError)
+    assert e.value.errno == 5 and e.value.key == (2, 7) and e.value.record == 207
+    with pytest.raises(ReadError):
+        await res.wait()
+    assert sched.holders() == {owner: 3}  # still the holder's
+    sched.check_invariants()
+    res.release()
+    res.release()  # a finally after an early release: nothing more
+    assert sched.holders() == {} and all(s.pins == 0 for s in sched._slots)
+    assert sched.state_of((2, 3)) is SlotState.READY
+    with pytest.raises(RuntimeError, match="released more often than pinned"):
+        sched.release(res.slots, owner)  # checked also under python -O: nothing changes
+    sched.check_invariants()
+
+
+async def test_wait_raises_as_soon_as_one_read_fails():
+    """A layer whose first expert fails does not wait for the others' reads to fail."""
+    sched, be = make(slots=4)
+    res = await sched.reserve(2, [7, 1])
+    await settle()
+    waiting = spawn(res.wait())
+    be.complete(207, OSError(5, "Input/output error"))
+    await settle()
+    assert waiting.done(), "wait() waited for the read of expert 1 after 7 failed"
+    with pytest.raises(ReadError, match="expert 7 of layer 2"):
+        waiting.result()
+    res.release()
+    be.complete(201)
+    await settle()
+    assert sched.state_of((2, 1)) is SlotState.READY  # the read in flight stays cached
+    sched.check_invariants()
+
+
+async def test_a_reservation_as_context_manager_releases_when_its_entry_fails():
+    sched, be = make(slots=4)
+    res = await sched.reserve(0, [1, 2])
+    await settle()
+    be.complete(1, OSError(5, "Input/output error"))
+    be.complete(2)
+    with pytest.raises(ReadError):
+        async with res:
+            pytest.fail("entered after a failed read")
+    assert sched.holders() == {} and res.released
+    sched.check_invariants()
 
 
 async def test_cancel_while_read_in_flight_keeps_the_record_cached():

@@ -32,6 +32,7 @@ def vault(tmp_path_factory):
 class Running:
     def __init__(self, engine: Engine, options: ServerOptions) -> None:
         self.engine, self.options = engine, options
+        self.clients: list[openai.AsyncOpenAI] = []
 
     async def __aenter__(self) -> Running:
         loop = asyncio.get_running_loop()
@@ -44,12 +45,18 @@ class Running:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        # Close the clients on this loop: left to the garbage collector, their connections
+        # close later on a closed loop and log errors into another test.
+        for c in self.clients:
+            await c.close()
         self.task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await self.task
 
     def client(self, key: str = "secret"):
-        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
+        c = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
+        self.clients.append(c)
+        return c
 
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
@@ -160,6 +167,7 @@ async def test_follow_up_request_reuses_the_prefix(vault):
         async with aiohttp.ClientSession() as http, http.get(srv.base + "/v1/smoe/stats") as r:
             stats = await r.json()
         assert stats["prefix_reused_tokens"] >= first.usage.prompt_tokens - 1
+        assert stats["compute_dtype"].startswith("float32 (")  # the dtype and its reason
 
 
 async def test_disconnect_mid_stream_frees_the_engine(vault):
@@ -210,9 +218,10 @@ async def test_concurrent_requests_are_batched_and_equal_solo(vault):
         assert batch["mean_rows_per_step"] > 2 and batch["active"] == 0
 
 
-async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch):
-    """An I/O error during generation: JSON requests get a 500 in OpenAI's format, streams
-    an error event; the server keeps serving."""
+async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch, caplog):
+    """An I/O error during generation (the disk failing): JSON requests get a 503 in
+    OpenAI's format, streams an error event; the client is told a request id, not the
+    error, which goes to the server log in one line; the server keeps serving."""
     async with (
         Engine.open(vault.path, slots=4) as engine,
         Running(engine, ServerOptions()) as srv,
@@ -226,12 +235,17 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch):
         monkeypatch.setattr(engine.slots, "reserve", broken)
         body = {"prompt": [5, 6, 7], "max_tokens": 3}
         async with http.post(srv.base + "/v1/completions", json=body) as r:
-            assert r.status == 500
+            assert r.status == 503
             err = (await r.json())["error"]
-            assert "disk gone" in err["message"] and err["type"] == "server_error"
+            assert err["type"] == "server_error" and err["code"] == "service_unavailable"
+            assert r.headers["X-Request-Id"] in err["message"]
+            assert "disk gone" not in err["message"]
         async with http.post(srv.base + "/v1/completions", json={**body, "stream": True}) as r:
             events = [line async for line in r.content if line.startswith(b"data: ")]
-        assert b"disk gone" in events[0] and events[-1] == b"data: [DONE]\n"
+        assert b"service_unavailable" in events[0] and events[-1] == b"data: [DONE]\n"
+        logged = [rec for rec in caplog.records if rec.name == "smoe.serve"]
+        assert len(logged) == 2 and all("disk gone" in rec.getMessage() for rec in logged)
+        assert not any(rec.exc_info for rec in logged)  # one line each, no traceback
         monkeypatch.setattr(engine.slots, "reserve", real)
         ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
         assert ok.choices
@@ -384,3 +398,200 @@ async def test_many_clients_some_leaving_early_leave_nothing_behind(vault):
         for i, text in enumerate(got):
             if text is not None:
                 assert text == solo[i], i
+
+
+def _chat_with(field: str, literal: str) -> bytes:
+    """A valid chat body with ``"field": literal`` added as raw JSON text."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2})
+    return f'{body[:-1]}, "{field}": {literal}}}'.encode()
+
+
+# (body, Content-Type, status, param, words the message must hold); each failed on the
+# code before smoe/serve/validate.py: a 500 with a traceback, or a 200 that used the value
+MALFORMED = {
+    "NaN temperature": (_chat_with("temperature", "NaN"), None, 400, "temperature", "0 and 2"),
+    "Infinity temperature": (_chat_with("temperature", "Infinity"), None, 400, "temperature", ""),
+    "-Infinity penalty": (
+        _chat_with("frequency_penalty", "-Infinity"),
+        None,
+        400,
+        "frequency_penalty",
+        "-2 and 2",
+    ),
+    "1e19 integer as temperature": (
+        _chat_with("temperature", str(10**19)),
+        None,
+        400,
+        "temperature",
+        "0 and 2",
+    ),
+    "1e400 integer as temperature": (
+        _chat_with("temperature", str(10**400)),
+        None,
+        400,
+        "temperature",
+        "0 and 2",
+    ),
+    "float beyond 64 bits": (_chat_with("top_p", "1e400"), None, 400, "top_p", "finite"),
+    "5000-digit integer": (_chat_with("seed", "9" * 5000), None, 400, None, "digits"),
+    "temperature 5": (_chat_with("temperature", "5"), None, 400, "temperature", "0 and 2"),
+    "temperature -0.1": (_chat_with("temperature", "-0.1"), None, 400, "temperature", ""),
+    "top_p 1.5": (_chat_with("top_p", "1.5"), None, 400, "top_p", "0 and 1"),
+    "bool as max_tokens": (_chat_with("max_tokens", "true"), None, 400, "max_tokens", "integer"),
+    "JSON 100 deep": (_chat_with("metadata", "[" * 100 + "]" * 100), None, 400, None, "64"),
+    "JSON 100000 deep": (
+        _chat_with("metadata", "[" * 100_000 + "]" * 100_000),
+        None,
+        400,
+        None,
+        "64",
+    ),
+    "lone surrogate": (
+        json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}).encode(),
+        None,
+        400,
+        "messages[0].content",
+        "surrogate",
+    ),
+    "bogus charset": (
+        _chat_with("n", "1"),
+        "application/json; charset=bogus",
+        415,
+        "Content-Type",
+        "UTF-8",
+    ),
+    "unknown role": (
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+        None,
+        400,
+        "messages[0].role",
+        "user",
+    ),
+    "two prompts in n": (_chat_with("n", "2"), None, 400, "n", "1"),
+}
+
+
+async def test_malformed_requests_get_a_4xx_naming_the_field(vault, caplog):
+    """Each fault the adversarial run found: a clean 4xx in OpenAI's shape whose one-line
+    message names the field and what is allowed; nothing logged; the server keeps
+    serving."""
+    failures = []
+    async with (
+        Engine.open(vault.path) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        for name, (body, ctype, status, param, words) in MALFORMED.items():
+            headers = {"Content-Type": ctype or "application/json"}
+            async with http.post(
+                srv.base + "/v1/chat/completions", data=body, headers=headers
+            ) as r:
+                got = (r.status, await r.text())
+            if got[0] != status:
+                failures.append(f"{name}: {got[0]} {got[1][:200]}")
+                continue
+            err = json.loads(got[1])["error"]
+            message = err["message"]
+            if (
+                err["type"] != "invalid_request_error"
+                or err["param"] != param
+                or (param and param not in message)
+                or words not in message
+                or "\n" in message
+            ):
+                failures.append(f"{name}: {err}")
+        r2 = await srv.client().chat.completions.create(
+            model="smoe", messages=MESSAGES, max_tokens=2
+        )
+        assert r2.choices  # and the server keeps serving
+    assert not failures, "\n".join(failures)
+    assert not [rec for rec in caplog.records if rec.levelno >= 40]  # no error, no traceback
+
+
+async def test_edge_values_that_are_valid_are_served(vault):
+    """Values at OpenAI's bounds are accepted, and a few map onto what they mean: top_p 0
+    is greedy, top_k at or beyond the vocabulary is no top-k (it raised in mlx-lm, a
+    500), a prompt given as a one-string array is that string, "developer" is "system"."""
+    async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
+        c = srv.client()
+        ask = dict(model="smoe", prompt=[5, 6, 7], max_tokens=6)
+        greedy = (await c.completions.create(**ask, temperature=0)).choices[0].text
+        top_p0 = (await c.completions.create(**ask, temperature=2, top_p=0)).choices[0].text
+        assert top_p0 == greedy
+        wide = await c.completions.create(**ask, temperature=0, extra_body={"top_k": 10**19})
+        assert wide.choices[0].text == greedy
+        seeded = dict(temperature=2, seed=-(2**63), presence_penalty=-2, frequency_penalty=2)
+        assert (await c.completions.create(**ask, **seeded)).choices[0].text
+        once = dict(model="smoe", max_tokens=3, temperature=0)
+        plain = await c.completions.create(prompt="Hello", **once)
+        listed = await c.completions.create(prompt=["Hello"], **once)
+        assert (listed.choices[0].text, listed.usage.prompt_tokens) == (
+            plain.choices[0].text,
+            plain.usage.prompt_tokens,
+        )
+        system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        developer = [{**system[0], "role": "developer"}, system[1]]
+        a = await c.chat.completions.create(
+            model="smoe", messages=system, max_tokens=4, temperature=0
+        )
+        b = await c.chat.completions.create(
+            model="smoe", messages=developer, max_tokens=4, temperature=0
+        )
+        assert a.choices[0].message.content == b.choices[0].message.content
+
+
+async def test_a_bug_gets_a_500_without_internals_and_one_traceback(vault, monkeypatch, caplog):
+    """A failure of ours: the client gets 500 with a request id, not the exception; the
+    log gets its traceback once. An engine error (a SmoeError, e.g. a corrupt vault) is
+    the operator's: 503, one log line."""
+    from smoe.errors import VaultError
+
+    async with (
+        Engine.open(vault.path) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        real = engine.runner.prepare
+
+        def raising(failure: Exception):
+            def broken(*args):
+                raise failure
+
+            return broken
+
+        body = {"prompt": [5, 6, 7], "max_tokens": 3}
+        for failure, status, code in [
+            (ZeroDivisionError("secret internals"), 500, "internal_error"),
+            (VaultError("/secret/path is corrupt"), 503, "service_unavailable"),
+        ]:
+            monkeypatch.setattr(engine.runner, "prepare", raising(failure))
+            caplog.clear()
+            async with http.post(srv.base + "/v1/completions", json=body) as r:
+                assert r.status == status
+                err = (await r.json())["error"]
+                assert (err["type"], err["code"]) == ("server_error", code)
+                assert r.headers["X-Request-Id"] in err["message"]
+                assert "secret" not in err["message"]
+            async with http.post(srv.base + "/v1/completions", json={**body, "stream": True}) as r:
+                events = [line async for line in r.content if line.startswith(b"data: ")]
+            assert code.encode() in events[0] and b"secret" not in events[0]
+            logged = [rec for rec in caplog.records if rec.name == "smoe.serve"]
+            assert len(logged) == 2 and all(
+                "secret" in rec.getMessage() or rec.exc_info for rec in logged
+            )
+            assert all(bool(rec.exc_info) == (status == 500) for rec in logged)
+        monkeypatch.setattr(engine.runner, "prepare", real)
+        ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
+        assert ok.choices
+
+
+async def test_json_depth_is_linear_and_ignores_brackets_in_strings():
+    import time
+
+    from smoe.serve.validate import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": "[[[[{{"}], "c": "\\"]]"}') == 3
+    assert json_depth(b"[" * 70) == 70
+    t = time.perf_counter()
+    json_depth(b'"\\"' * 300_000 + b"[" * 300_000)  # an open string: no backtracking
+    assert time.perf_counter() - t < 1.0

@@ -74,6 +74,15 @@ def test_bench_io_reports_both_sides(vault, run_cli):
         assert row["baseline_GBps"] > 0 and row["streamer_GBps"] > 0
         assert len(row["baseline_runs_GBps"]) == len(row["streamer_runs_GBps"]) == 2
     assert report["records_per_run"] == vault.manifest.num_records
+    assert report["verify"] is True
+    assert report["checksum_algorithm"] == vault.manifest.checksum_algorithm
+
+    # --no-verify: only to measure what checking costs (the engine always checks)
+    code, out, _ = run_cli(
+        "bench", "io", vault.path, "--workers", "1", "--repeats", "1", "--no-verify"
+    )
+    assert code == 0 and json.loads(out)["verify"] is False
+    assert [row["verify"] for row in json.loads(out)["sweep"]] == [False]
 
 
 def test_ring_asks_for_huge_pages(vault):

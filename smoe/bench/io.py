@@ -8,7 +8,9 @@ Cold random reads of whole records from a real vault. For each worker count, in 
   On the unified path reads land in the slots; on the staged path they land in host
   buffers that another thread commits into the device arrays (disk -> staging -> device),
   and the run ends when the last record is on the device.
-With ``busy``, spinning processes occupy the CPUs during both, as compute does.
+With ``busy``, spinning processes occupy the CPUs during both, as compute does. The
+streamer verifies each record's checksum as the engine does (``verify=False``: not, to
+measure what verification costs); the baseline never does.
 Both read the same number of records of the same size at the same concurrency, into the
 same kind of memory (16 KiB-aligned, backed by huge pages where the kernel allows). The two run
 back to back, alternating which goes first, so drift in the disk hits both. Page cache:
@@ -159,10 +161,11 @@ async def _streamer(
     batch: int,
     path: str,
     parts: int | None = None,
+    verify: bool = True,
 ) -> RunResult:
     m = vault.manifest
     ring, committer = make_ring(vault, path, slots, workers)
-    reader = DirectReader(vault, ring, workers=workers, parts=parts)
+    reader = DirectReader(vault, ring, workers=workers, parts=parts, verify=verify)
     sched = ExpertScheduler(
         slots,
         reader,
@@ -214,10 +217,11 @@ def streamer_run(
     batch: int,
     path: str = "unified",
     parts: int | None = None,
+    verify: bool = True,
 ) -> RunResult:
     from smoe.aio import run
 
-    return run(_streamer(vault, records, workers, slots, batch, path, parts))
+    return run(_streamer(vault, records, workers, slots, batch, path, parts, verify))
 
 
 def _spin() -> None:  # pragma: no cover - runs in a child process until terminated
@@ -258,12 +262,14 @@ def bench_io(
     paths: tuple[str, ...] = ("unified",),
     busy: tuple[int, ...] = (0,),
     parts: tuple[int | None, ...] = (None,),
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Run the sweep; return the JSON-able report. ``paths``: the rings to measure
     ('unified': reads land in the slots; 'staged': host landings committed into device
     arrays by another thread). ``busy``: numbers of spinning processes to run beside.
     ``parts``: how many parts the streamer reads each record in (None: DirectReader's
-    default), one sweep per value."""
+    default), one sweep per value. ``verify``: whether the streamer checks each record's
+    checksum (the engine always does; off only to measure its cost)."""
     unknown = set(paths) - {"unified", "staged"}
     if unknown:
         raise SmoeError(f"unknown path {sorted(unknown)[0]!r}: use unified, staged or both")
@@ -274,14 +280,17 @@ def bench_io(
     rng = random.Random(seed)
     rows = []
     for path in paths:  # untimed: first-use costs (thread start, kernel compilation) go here
-        streamer_run(vault, rng.sample(range(m.num_records), min(8, n)), 2, slots, batch, path)
+        sample = rng.sample(range(m.num_records), min(8, n))
+        streamer_run(vault, sample, 2, slots, batch, path, verify=verify)
     for load in busy:
         with BusyCPUs(load):
             for path in paths:
                 for p in parts:
                     for w in workers:
                         rows.append(
-                            _sweep_row(vault, stride, n, w, repeats, batch, slots, path, rng, p)
+                            _sweep_row(
+                                vault, stride, n, w, repeats, batch, slots, path, rng, p, verify
+                            )
                         )
                         rows[-1]["busy_processes"] = load
     fd, direct = open_direct(vault.experts_path)
@@ -297,6 +306,8 @@ def bench_io(
         "batch": batch,
         "ring_slots": slots,
         "direct_io": direct,
+        "verify": verify,
+        "checksum_algorithm": m.checksum_algorithm,
         "ring_huge_pages": UnifiedRing(m.record, 1).huge_pages,
         "cpus": os.cpu_count(),
         "sweep": rows,
@@ -315,6 +326,7 @@ def _sweep_row(
     path: str,
     rng: random.Random,
     parts: int | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     m = vault.manifest
     runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": []}
@@ -327,7 +339,7 @@ def _sweep_row(
             if kind == "baseline":
                 result = baseline_run(vault.experts_path, stride, order, w)
             else:
-                result = streamer_run(vault, order, w, slots, batch, path, parts)
+                result = streamer_run(vault, order, w, slots, batch, path, parts, verify)
             runs[kind].append(result)
     b, s = (
         sum(r.bytes for r in runs[k]) / sum(r.seconds for r in runs[k]) / 1e9
@@ -337,6 +349,7 @@ def _sweep_row(
         "path": path,
         "workers": w,
         "read_parts": len(split_record(stride, parts)),
+        "verify": verify,
         "baseline_GBps": round(b, 3),
         "streamer_GBps": round(s, 3),
         "ratio": round(s / b, 3),

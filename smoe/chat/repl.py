@@ -176,12 +176,15 @@ class ChatApp:
         return True
 
     def stats_text(self) -> str:
-        s = self.conv.last_stats
+        from smoe.compute.model import compute_dtype_note
+
+        s, e = self.conv.last_stats, self.engine
         st = self.engine.scheduler.stats
         lines = [
             f"ring: {self.engine.scheduler.fill()}/{self.engine.scheduler.num_slots} slots "
             f"of {format_bytes(self.engine.ring.stride)}; hits {st.hits}, misses {st.misses}, "
-            f"read {format_bytes(st.bytes_read())} in total"
+            f"read {format_bytes(st.bytes_read())} in total",
+            f"compute: {compute_dtype_note(e.vault, e.dtype, e.options.dtype is not None)}",
         ]
         if s is not None:
             lines.append(

@@ -8,6 +8,9 @@ StreamingExperts whose parameters are the ring's views.
 
 from __future__ import annotations
 
+import inspect
+from collections import ChainMap
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -21,16 +24,42 @@ from smoe.compute.streaming import (
     Tracer,
     ring_modules,
 )
-from smoe.errors import VaultError
+from smoe.errors import SmoeError, VaultError
 from smoe.io.ring import ExpertRing
 from smoe.topology import model_classes
 from smoe.vault.format import Vault
 
 
-def _quantize_like_mlx_lm(
-    model: nn.Module, config: dict[str, Any], weights: dict[str, Any]
-) -> None:
-    """mlx-lm's load_model quantization step (mlx_lm/utils.py), for a vault's config."""
+@dataclass(frozen=True)
+class _TensorShape:
+    """A tensor's shape and dtype without its data: all mlx-lm's inference reads of it."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def record_tensors(vault: Vault) -> dict[str, _TensorShape]:
+    """Each streamed expert tensor, named as mlx-lm names it ('<module>.<component>'), with
+    its stacked shape [E, ...] and dtype, read from the manifest (no record is read)."""
+    from smoe.io.ring import mx_dtype
+
+    m = vault.manifest
+    return {
+        f"{spec.module}.{c.name}": _TensorShape((m.num_experts, *c.shape), mx_dtype(c.dtype))
+        for spec in m.layers
+        for c in m.record.components
+    }
+
+
+def _quantize_like_mlx_lm(model: nn.Module, config: dict[str, Any], weights: Any) -> None:
+    """mlx-lm's load_model quantization step (mlx_lm/utils.py), for a vault's config.
+
+    ``weights`` must name every tensor of the model, experts included (their records'
+    shapes suffice): as in mlx-lm, a module not named in the config's per-path entries is
+    quantized iff it has ``.scales``, with the packing its shapes imply. mlx-lm's own
+    converter writes no per-path entries for uniform quantization, so the experts' packing
+    is known only from their records.
+    """
     from mlx_lm.utils import infer_quant_config
 
     q = config.get("quantization")
@@ -42,7 +71,10 @@ def _quantize_like_mlx_lm(
             return q[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        return infer_quant_config(path, module, weights)
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True  # mlx-lm's loader does the same (nvfp4 experts)
+        return params
 
     nn.quantize(
         model,
@@ -51,6 +83,77 @@ def _quantize_like_mlx_lm(
         mode=q.get("mode", "affine"),
         class_predicate=predicate,
     )
+
+
+_SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def vault_float_dtype(vault: Vault) -> str | None:
+    """The dtype of the vault's float tensors (what mlx-lm computes in when it runs these
+    weights as they are): the records' float components, else the backbone's; None if mixed."""
+    from smoe.checkpoint import safetensors_header
+    from smoe.io.ring import is_float
+
+    found = {c.dtype for c in vault.manifest.record.components if is_float(c.dtype)}
+    if not found:
+        header = safetensors_header(vault.backbone_path)
+        found = {
+            _SAFETENSORS_FLOATS[v["dtype"]]
+            for k, v in header.items()
+            if k != "__metadata__" and v["dtype"] in _SAFETENSORS_FLOATS
+        }
+    return found.pop() if len(found) == 1 else None
+
+
+def compute_dtype_note(vault: Vault, dtype: Any, requested: bool) -> str:
+    """The compute dtype and why, for exactness claims: mlx-lm runs a model in its weights'
+    dtype, and the engine equals it only computing in that same dtype.
+    e.g. 'float32 (CPU default, faster there; --dtype bfloat16 matches mlx-lm's bfloat16 run)'."""
+    name = str(dtype).split(".")[-1]
+    if requested:
+        origin = "as asked"
+    else:  # the engine's defaults: float32 kernels are the fast ones on a CPU
+        origin = "CPU default, faster there" if name == "float32" else "GPU default"
+    own = vault_float_dtype(vault)
+    if own is None:  # float tensors of several dtypes: no single "usual" mlx-lm run
+        return f"{name} ({origin})"
+    if own == name:
+        return f"{name} ({origin}; the weights' dtype, as mlx-lm runs them)"
+    if _has_float_experts(vault) and not _gather_mm_works(getattr(mx, own)):
+        return f"{name} ({origin}; MLX cannot run these {own} float experts in {own} here)"
+    return f"{name} ({origin}; --dtype {own} matches mlx-lm's {own} run)"
+
+
+def _has_float_experts(vault: Vault) -> bool:
+    names = {c.name for c in vault.manifest.record.components}
+    return any(n.endswith(".weight") and n[: -len("weight")] + "scales" not in names for n in names)
+
+
+def _gather_mm_works(dtype: mx.Dtype) -> bool:
+    """Whether MLX multiplies float experts in ``dtype`` on the default device (its CPU
+    gather_mm is float32 only in 0.32, so mlx-lm cannot run them in bf16 there either)."""
+    a, b = mx.zeros((1, 1, 2), dtype), mx.zeros((1, 2, 2), dtype)
+    try:
+        mx.eval(mx.gather_mm(a, b, rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_float_experts(vault: Vault, compute_dtype: mx.Dtype) -> None:
+    if _has_float_experts(vault) and not _gather_mm_works(compute_dtype):
+        name = str(compute_dtype).split(".")[-1]
+        where = "the CPU" if mx.default_device() == mx.cpu else "this GPU"
+        raise SmoeError(
+            f"this vault's experts are float (unquantized) and MLX cannot multiply them in "
+            f"{name} on {where}: use --dtype float32, or a quantized vault "
+            "(smoe convert SRC VAULT --bits 4)"
+        )
+
+
+def _takes_global_scale(module: nn.Module) -> bool:
+    """Whether the quantized form holds an nvfp4 tensor scale (mlx_lm.utils' private rule)."""
+    return "global_scale" in inspect.signature(module.to_quantized).parameters
 
 
 def _resolve(root: nn.Module, path: str) -> tuple[Any, str]:
@@ -89,17 +192,19 @@ def build_model(
 ) -> nn.Module:
     """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
 
-    Float backbone weights are cast to ``compute_dtype``; quantized ones keep their packing.
+    Float backbone tensors, quantization scales/biases included, are cast to
+    ``compute_dtype`` (mlx-lm's ``model.set_dtype``); packed weights stay as they are.
     The experts compute on the ring's arrays (in the compute dtype on a staged ring; in the
     vault's dtypes on a unified one, which the engine only uses when they agree).
     ``overlap``: compute each expert as its read completes (default: on the CPU only).
     Raises VaultError if the backbone lacks or has extra tensors.
     """
+    _check_float_experts(vault, compute_dtype)
     config = vault.config()
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = dict(mx.load(str(vault.backbone_path)))
-    _quantize_like_mlx_lm(model, config, weights)
+    _quantize_like_mlx_lm(model, config, ChainMap(weights, record_tensors(vault)))
 
     banks = ring.banks()
     num_experts = vault.manifest.num_experts
@@ -107,7 +212,10 @@ def build_model(
         overlap = mx.default_device() != mx.gpu  # see StreamingExperts.overlap
     for spec in vault.manifest.layers:
         parent, attr = _resolve(model, spec.module)
-        inners = ring_modules(getattr(parent, attr), banks)
+        try:
+            inners = ring_modules(getattr(parent, attr), banks)
+        except ValueError as e:  # a vault no converter of ours writes
+            raise VaultError(f"{vault.path}: {e}; convert the model again") from None
         streaming = StreamingExperts(
             inners, ring.locate, spec.layer, num_experts, source, tracer, overlap
         )
@@ -137,8 +245,8 @@ def build_model(
 def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
     """mlx-lm's model for ``vault`` with every weight in memory, experts included (read
     back from the records): the in-memory reference benchmarks compare the engine with.
-    Float weights other than quantization scales/biases are cast to ``compute_dtype``, as
-    ``build_model`` casts the backbone. Needs memory for the whole model."""
+    Float tensors are cast to ``compute_dtype``, as ``build_model`` casts the backbone.
+    Needs memory for the whole model."""
     from smoe.vault.export import read_layer
 
     config = vault.config()
@@ -154,10 +262,12 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
 
 
 def _load_cast(model: nn.Module, weights: dict[str, Any], compute_dtype: mx.Dtype) -> None:
-    """Load ``weights`` (strict), float ones other than quantization scales/biases cast to
-    ``compute_dtype``; evaluate them and put the model in inference mode."""
+    """Load ``weights`` (strict), every float one cast to ``compute_dtype`` as mlx-lm's
+    ``model.set_dtype`` does, scales and biases included: kept bf16, a quantized embedding
+    would dequantize in bf16 under float32 compute (and each call would convert them);
+    evaluate them and put the model in inference mode."""
     for name, a in weights.items():
-        if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
+        if mx.issubdtype(a.dtype, mx.floating):
             weights[name] = a.astype(compute_dtype)
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())

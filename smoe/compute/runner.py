@@ -33,8 +33,21 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence
 
     def check(self) -> None:
+        import math
+
         from smoe.errors import SmoeError
 
+        numbers = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        for name, value in numbers.items():  # NaN passes every comparison below
+            if not math.isfinite(value):
+                raise SmoeError(f"{name} must be a finite number, not {value}")
         if self.temperature < 0:
             raise SmoeError("temperature must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:

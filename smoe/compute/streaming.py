@@ -20,15 +20,23 @@ import numpy as np
 
 
 class Lease(Protocol):
+    """Pinned slots of one request. Whoever reserved it releases it exactly once, with
+    ``release()`` in a ``finally``; ``wait`` and ``wait_any`` never release, also when
+    they raise."""
+
     slots: list[int]  # one per requested expert, in request order
     ready: list[bool]  # which are known to be READY
 
     def wait(self) -> None:
-        """Block until every slot is READY (raises the read's error, slots released)."""
+        """Block until every slot is READY (raises the read's error; releases nothing)."""
         ...
 
     def wait_any(self, positions: list[int]) -> list[int]:
         """Block until some of ``positions`` are READY; return those that are."""
+        ...
+
+    def release(self) -> None:
+        """Unpin the slots (idempotent)."""
         ...
 
 
@@ -36,14 +44,19 @@ class SlotSource(Protocol):
     """Where the compute thread gets ring slots. Calls block the compute thread."""
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
-        """Pin and return the slots of ``experts`` once all are READY (order kept)."""
+        """Pin and return the slots of ``experts`` once all are READY (order kept); the
+        caller then releases them with ``release``. A read error (ReadError) is raised
+        after the pins are released here."""
         ...
 
     def reserve(self, layer: int, experts: list[int]) -> Lease:
-        """Pin the slots now and start the misses' reads; do not wait for them."""
+        """Pin the slots now and start the misses' reads; do not wait for them. The caller
+        releases the Lease (``Lease.release``), not its slots."""
         ...
 
-    def release(self, slots: list[int]) -> None: ...
+    def release(self, slots: list[int]) -> None:
+        """Unpin slots from ``acquire``."""
+        ...
 
     def capacity(self) -> int:
         """Slots one request may pin at most (the ring size)."""
@@ -324,7 +337,7 @@ class StreamingExperts(nn.Module):
             lease.wait()
             return self._compute(x, idx, experts, lease.slots), resident
         finally:
-            self._source.release(lease.slots)
+            lease.release()  # the one release, also when a read failed
 
     def _run_overlapped(
         self, x: mx.array, idx: np.ndarray, experts: list[int]
@@ -333,8 +346,8 @@ class StreamingExperts(nn.Module):
         the misses in the order their reads complete. Returns the output and how many
         experts were resident."""
         lease = self._source.reserve(self.layer, experts)
-        resident = int(sum(lease.ready))
         try:
+            resident = int(sum(lease.ready))
             if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots), resident
             parts = _Parts(x, idx)
@@ -352,7 +365,7 @@ class StreamingExperts(nn.Module):
                 ready = []
             return parts.result(), resident
         finally:
-            self._source.release(lease.slots)
+            lease.release()  # the one release, also when a read failed
 
     def _compute(
         self,

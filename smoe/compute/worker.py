@@ -20,26 +20,40 @@ T = TypeVar("T")
 
 
 class Lease:
-    """Pinned slots from ``LoopSlots.reserve``: ``ready[i]`` says slot i was READY already."""
+    """Pinned slots from ``LoopSlots.reserve``: ``ready[i]`` says slot i was READY already.
+
+    The compute code that reserved it releases it, exactly once, with ``release()`` in a
+    ``finally``: after computing, after ``wait``/``wait_any`` raised (they never release),
+    and after any other error. Later ``release()`` calls do nothing.
+    """
 
     def __init__(self, source: LoopSlots, reservation: Reservation, ready: list[bool]) -> None:
         self._source = source
         self._reservation = reservation
         self.slots = list(reservation.slots)
         self.ready = ready
+        self.released = False
 
     def wait(self) -> None:
-        """Block until every slot is READY; raises ReadError (the slots are then released)."""
+        """Block until every slot is READY. Raises ReadError (a SmoeError) if a read
+        failed; the slots stay pinned until ``release()``."""
         if not all(self.ready):
             self._source._wait(self._reservation.wait())
             self.ready = [True] * len(self.slots)
 
     def wait_any(self, positions: list[int]) -> list[int]:
-        """Block until some of ``positions`` are READY; return those that are."""
+        """Block until some of ``positions`` are READY; return those that are. Raises as
+        ``wait`` does, releasing nothing."""
         done: list[int] = self._source._wait(self._reservation.wait_any(positions))
         for p in done:
             self.ready[p] = True
         return done
+
+    def release(self) -> None:
+        """Unpin the slots (on the loop, before the next request from this thread runs)."""
+        if not self.released:
+            self.released = True
+            self._source.loop.call_soon_threadsafe(self._reservation.release)
 
 
 class LoopSlots:
@@ -71,12 +85,19 @@ class LoopSlots:
         self.resident_hits = 0
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
+        """The slots once all are READY; the caller then owns them (``release(slots)``).
+        If the wait raises (ReadError), the pins were released here."""
         lease = self.reserve(layer, experts)
-        lease.wait()
+        try:
+            lease.wait()
+        except BaseException:
+            lease.release()
+            raise
         return lease.slots
 
     def reserve(self, layer: int, experts: list[int]) -> Lease:
-        """Pin slots and queue the misses; return at once (the reads go on)."""
+        """Pin slots and queue the misses; return at once (the reads go on). The caller
+        owns the Lease and releases it once (``Lease.release``), whatever happens."""
         self.acquires += 1
         reservation, ready = self._wait(self._reserve(layer, experts))
         if self._resident is None and self._resident_slots is not None:
@@ -90,16 +111,20 @@ class LoopSlots:
         whose landing is not committed yet). A pinned READY slot cannot change after.
         Once the ring holds every expert, they are pinned for good here."""
         reservation = await self.scheduler.reserve(layer, experts, owner=self)
-        every = self._every_key
-        if (
-            every is not None
-            and self._resident_slots is None
-            and self.scheduler.fill() == len(every)
-        ):
-            slots = self.scheduler.pin_ready(every, owner=RESIDENT)
-            if slots is not None:
-                self._resident_slots = dict(zip(every, slots, strict=True))
-        return reservation, reservation.ready()
+        try:
+            every = self._every_key
+            if (
+                every is not None
+                and self._resident_slots is None
+                and self.scheduler.fill() == len(every)
+            ):
+                slots = self.scheduler.pin_ready(every, owner=RESIDENT)
+                if slots is not None:
+                    self._resident_slots = dict(zip(every, slots, strict=True))
+            return reservation, reservation.ready()
+        except BaseException:  # the Lease is never made: its release is ours
+            reservation.release()
+            raise
 
     def _install_resident_tables(self, slots: dict[tuple[int, int], int]) -> None:
         """Compute thread: per layer whose experts share one bank, that bank and the device
@@ -139,6 +164,7 @@ class LoopSlots:
             self.wait_seconds += time.perf_counter() - start
 
     def release(self, slots: list[int]) -> None:
+        """Unpin slots returned by ``acquire`` (a Lease is released with its own method)."""
         # FIFO with the next acquire's submission: the slots are free before it asks.
         self.loop.call_soon_threadsafe(self.scheduler.release, slots, self)
 

@@ -4,6 +4,12 @@ One read = one record = one slot: ``os.preadv(fd, [ring.landing(slot)], record *
 The destination (the slot itself, or a host landing buffer of a staged ring) and the file
 offset are 16 KiB-aligned and the length is the stride (a 16 KiB multiple), so O_DIRECT's
 alignment rules hold and the page cache is bypassed: measured throughput is the SSD's.
+
+Trust: a read completes only once its record's checksum (the manifest's, over the record's
+``size`` bytes) matches, checked on a verifier thread while the worker reads on, and
+before the bytes reach the slot (a staged ring commits nothing unchecked). A mismatch is
+read again once; EINTR and EAGAIN are retried; every other failure is a VaultReadError
+(a SmoeError) naming the file, record, layer, expert and the fix.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
-from smoe.io.ring import ExpertRing
+from smoe.errors import RecordChecksumError, VaultError
+from smoe.errors import VaultReadError as VaultReadError  # re-exported: smoe.io's API
+from smoe.io.ring import ExpertRing, Landing
 from smoe.vault.format import RECORD_ALIGN, Vault
+from smoe.vault.integrity import hasher
 
 if TYPE_CHECKING:
     from smoe.sched.types import ReadBackend
@@ -39,29 +48,6 @@ log = logging.getLogger(__name__)
 
 class BufferedIOWarning(RuntimeWarning):
     """The vault is read through the page cache: direct I/O was refused or unavailable."""
-
-
-class VaultReadError(OSError):
-    """Reading one record failed. The message names the file, record, layer and expert.
-
-    ``errno`` is the underlying error's (None for a truncated file); ``record`` and
-    ``key`` (layer, expert) say which expert; ``path`` is the vault file.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: Path,
-        record: int,
-        key: tuple[int, int],
-        cause_errno: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.errno = cause_errno  # OSError's str() still shows the message: strerror is unset
-        self.path = path
-        self.record = record
-        self.key = key
 
 
 def _warn_buffered(path: Path, why: str) -> None:
@@ -78,7 +64,31 @@ def _probe_direct(fd: int) -> None:
     """Read the first 16 KiB through ``fd``; raises OSError (EINVAL) if O_DIRECT is refused."""
     raw = np.empty(2 * RECORD_ALIGN, dtype=np.uint8)
     start = (-int(raw.ctypes.data)) % RECORD_ALIGN  # O_DIRECT needs an aligned buffer
-    os.preadv(fd, [raw[start : start + RECORD_ALIGN].data], 0)
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            os.preadv(fd, [raw[start : start + RECORD_ALIGN].data], 0)
+            return
+        except OSError as e:
+            if e.errno not in TRANSIENT_ERRNOS or attempt == READ_ATTEMPTS:
+                raise
+
+
+TRANSIENT_ERRNOS = frozenset({errno.EINTR, errno.EAGAIN, errno.EWOULDBLOCK})
+# Tries of one read request that fail with a transient error before the read fails. No
+# sleep between them: EINTR means a signal, not a busy device. Short reads do not count:
+# they made progress, and the read continues where it stopped.
+READ_ATTEMPTS = 3
+# O_DIRECT continues a short read from a whole block: its offsets and lengths must be
+# multiples of the device's logical block (512 B or 4 KiB).
+_DIRECT_BLOCK = 4096
+FIX = "check the disk (dmesg); 'smoe inspect {vault} --verify' finds corrupt records; convert again"
+
+
+def describe_os_error(e: OSError) -> str:
+    """'Input/output error (EIO)': the OS's words and the errno's name."""
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else None
+    text = e.strerror or str(e) or type(e).__name__
+    return f"{text} ({name})" if name else text
 
 
 def open_direct(path: Path | str, direct: bool = True) -> tuple[int, bool]:
@@ -88,7 +98,9 @@ def open_direct(path: Path | str, direct: bool = True) -> tuple[int, bool]:
     flag at open and refuse the reads (EINVAL). macOS: F_NOCACHE. Where neither works, or with
     ``direct=False`` (no warning then), the file is opened buffered; a BufferedIOWarning
     names the file and the consequence. Raises OSError (FileNotFoundError, ...) when the
-    file cannot be opened at all. The caller closes the fd.
+    file cannot be opened at all, and VaultReadError (naming the file and the errno) when
+    the probe read fails otherwise than by refusing O_DIRECT (EIO: a failing disk). The
+    caller closes the fd.
     """
     path = Path(path)
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -108,7 +120,12 @@ def open_direct(path: Path | str, direct: bool = True) -> tuple[int, bool]:
         except OSError as e:
             os.close(fd)
             if e.errno != errno.EINVAL:
-                raise
+                raise VaultReadError(
+                    f"{path}: reading its first {RECORD_ALIGN // 1024} KiB failed: "
+                    f"{describe_os_error(e)}; " + FIX.format(vault=path.parent),
+                    path=path,
+                    errno=e.errno,
+                ) from e
             _warn_buffered(path, "the filesystem refuses O_DIRECT reads (EINVAL)")
             return os.open(path, flags), False
         return fd, True
@@ -130,6 +147,8 @@ class _Job:
     record: int
     slot: int
     future: concurrent.futures.Future[int]
+    started: bool = False  # a worker took it (a re-read goes back to the queue started)
+    rereads: int = 0  # reads after a checksum mismatch
 
 
 class _ReadQueue:
@@ -148,11 +167,17 @@ class _ReadQueue:
         )
         self._closed = False
 
-    def put(self, job: _Job, priority: int) -> None:
+    def put(self, job: _Job, priority: int, *, first: bool = False) -> None:
+        """Queue ``job`` (``first``: ahead of every other read, for a re-read someone
+        is already waiting on). RuntimeError once closed."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("DirectReader is closed")
-            self._queues[min(max(priority, 0), 1)].append(job)
+            queue = self._queues[min(max(priority, 0), 1)]
+            if first:
+                queue.appendleft(job)
+            else:
+                queue.append(job)
             self._cond.notify()
 
     def take(self) -> _Job | None:
@@ -161,13 +186,17 @@ class _ReadQueue:
             while not self._closed:
                 for q in self._queues:
                     if q:
-                        return q.popleft()
+                        job = q.popleft()
+                        job.started = True  # under the lock: remove() sees it
+                        return job
                 self._cond.wait()
             return None
 
     def remove(self, job: _Job) -> bool:
         """Take ``job`` back if no worker has started it; True if it was still queued."""
         with self._cond:
+            if job.started:  # a queued re-read: its reader waits for it to end
+                return False
             for q in self._queues:
                 if job in q:
                     q.remove(job)
@@ -207,11 +236,16 @@ class DirectReader:
     /work measured ~1.6x from 1 to 4 threads). Each takes its next read from a queue of its
     own, demand before speculation, as soon as it finishes one. A large record is read in
     ``parts`` (default: split_record's) at once, the worker's and helper threads'. Where the
-    bytes land is the ring's business (``ring.landing``): in the slot itself, or in a
-    landing buffer. ``direct``
-    says whether reads bypass the page cache (see ``open_direct``; pass ``direct=False`` to
-    ask for buffered reads). Close it (or use it as a context manager) to stop the threads
-    and close the file.
+    bytes land is the ring's business (``ring.land``): in the slot itself, or in a landing
+    buffer. ``direct`` says whether reads bypass the page cache (see ``open_direct``; pass
+    ``direct=False`` to ask for buffered reads). Close it (or use it as a context manager)
+    to stop the threads and close the file.
+
+    ``verify`` (the default; the engine always verifies): a read completes only once the
+    record's bytes match the manifest's checksum. Hashing runs on verifier threads, so a
+    worker starts its next read meanwhile; a staged ring's landing is handed over (to be
+    committed) only once it matches. A mismatch is read again once (a transient bus or DMA
+    error), then fails with RecordChecksumError. ``verify=False`` exists for benchmarks.
     """
 
     def __init__(
@@ -221,6 +255,7 @@ class DirectReader:
         workers: int = 4,
         direct: bool = True,
         parts: int | None = None,
+        verify: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
@@ -230,15 +265,42 @@ class DirectReader:
                 f"the ring's slots are {ring.stride} bytes, the vault's records "
                 f"{manifest.record.stride}: make the ring from this vault's record layout"
             )
+        try:
+            self._hash = hasher(manifest.checksum_algorithm)
+        except KeyError:
+            raise VaultError(
+                f"{vault.path}: checksum algorithm {manifest.checksum_algorithm!r} is unknown "
+                "to this S-MoE; upgrade S-MoE or convert the model again"
+            ) from None
+        self.vault_path = vault.path
         self.path = vault.experts_path
         self.manifest = manifest
         self.ring = ring
         self.stride = ring.stride
+        self.size = manifest.record.size
         self.workers = workers
-        self.fd, self.direct = open_direct(self.path, direct)
+        self.verify = verify
+        self.rereads = 0  # records read again after a checksum mismatch
+        self._count_lock = threading.Lock()
+        try:
+            self.fd, self.direct = open_direct(self.path, direct)
+        except VaultReadError:
+            raise
+        except OSError as e:
+            raise VaultReadError(
+                f"{self.path}: cannot open it for reading: {describe_os_error(e)}; check that "
+                "the vault is complete and readable ('smoe inspect'), or convert again",
+                path=self.path,
+                errno=e.errno,
+            ) from e
         self._parts = split_record(self.stride, parts)
         self._helpers = concurrent.futures.ThreadPoolExecutor(
             max(1, workers * (len(self._parts) - 1)), thread_name_prefix="smoe-io-part"
+        )
+        # Hashing happens here, not on the workers: a worker starts its next read while
+        # its last record is checked (xxh3: ~5% of a read's time; crc32 ~65%, measured).
+        self._verifier = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="smoe-io-verify"
         )
         # Our own threads rather than a ThreadPoolExecutor: a worker takes its next read
         # itself (priority order), a queued read can be taken back, close() can join them.
@@ -253,16 +315,20 @@ class DirectReader:
         self._close_lock = threading.Lock()
 
     async def read(self, record: int, slot: int, priority: int = 0) -> int:
-        """Read record ``record`` into ring slot ``slot``; return the bytes read (the stride).
+        """Read record ``record`` into ring slot ``slot``; return the bytes read (the stride)
+        once they are in the slot (landed, and verified unless ``verify`` is off).
 
         ``priority``: 0 (demand) reads are taken before 1 (speculative) ones queued here.
-        Raises VaultReadError (an OSError naming record, layer and expert) on an I/O error or
-        a truncated file; IndexError for a record or slot out of range; RuntimeError after
+        Raises VaultReadError (a SmoeError naming the file, record, layer, expert and the
+        fix; ``errno`` kept as an attribute) on an I/O error that retries did not cure or a
+        truncated file, RecordChecksumError (a VaultReadError) when the bytes mismatch their
+        checksum twice; IndexError for a record or slot out of range; RuntimeError after
         close(), or when close() drops the read while it is still queued.
 
-        Cancellation: a read not yet started is dropped at once; a read in progress is
-        waited for (cancelling again does not stop the wait), and only then is
-        CancelledError raised, so no thread writes into the slot once this returns or raises.
+        Cancellation: a read not yet started is dropped at once; a read in progress (also
+        one being verified or read again) is waited for (cancelling again does not stop the
+        wait), and only then is CancelledError raised, so no thread writes into the slot
+        once this returns or raises.
         """
         if self._closed:
             raise RuntimeError("DirectReader is closed")
@@ -290,66 +356,144 @@ class DirectReader:
     def _work(self) -> None:
         """A worker thread: take reads until closed."""
         while (job := self._queue.take()) is not None:
-            if not job.future.set_running_or_notify_cancel():
+            if job.rereads == 0 and not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                n = self._read_into(job.record, job.slot)
+                land, data = self._read_into(job.record, job.slot)
             except BaseException as e:  # reported to read(); the worker carries on
                 job.future.set_exception(e)
-            else:
-                job.future.set_result(n)
+                continue
+            if not self.verify:
+                land.hand_over()
+                job.future.set_result(self.stride)
+                continue
+            try:  # pipelined: this worker takes its next read while the record is hashed
+                self._verifier.submit(self._check, job, land, data)
+            except BaseException as e:  # (the verifier outlives the workers: defensive)
+                land.discard()
+                job.future.set_exception(e)
 
-    def _read_into(self, record: int, slot: int) -> int:
-        """Blocking: fill ``slot`` with ``record``'s stride bytes (runs on a worker thread).
+    def _read_into(self, record: int, slot: int) -> tuple[Landing, memoryview]:
+        """Blocking: read ``record``'s stride bytes for ``slot`` (runs on a worker thread).
+        Returns the landing, not handed over yet, and the bytes as the slot will get them.
 
         A record of several parts is read by the worker (the first part) and helper
         threads (the others) at once: a lone miss then keeps several requests in flight,
-        as the disk needs for its full rate. Returns once every part has finished."""
+        as the disk needs for its full rate. Returns once every part has finished; on an
+        error the landing has been discarded."""
         offset = record * self.stride
-        with self.ring.landing(slot) as view:
+        land = self.ring.land(slot)
+        try:
+            view = land.memory
             if len(self._parts) == 1:
                 self._read_range(view, record, offset, 0, self.stride)
-                return self.stride
-            helpers = [
-                self._helpers.submit(self._read_range, view, record, offset, start, end)
-                for start, end in self._parts[1:]
-            ]
-            try:
-                self._read_range(view, record, offset, *self._parts[0])
-            finally:
-                concurrent.futures.wait(helpers)  # no thread writes into the landing after
-            for h in helpers:
-                h.result()  # the first part's error wins; else a helper's
-        return self.stride
+            else:
+                helpers = [
+                    self._helpers.submit(self._read_range, view, record, offset, start, end)
+                    for start, end in self._parts[1:]
+                ]
+                try:
+                    self._read_range(view, record, offset, *self._parts[0])
+                finally:
+                    concurrent.futures.wait(helpers)  # no thread writes into the landing after
+                for h in helpers:
+                    h.result()  # the first part's error wins; else a helper's
+            return land, land.finish()
+        except BaseException:
+            land.discard()
+            raise
+
+    def _check(self, job: _Job, land: Landing, data: memoryview) -> None:
+        """Verifier thread: hand the landing over if its bytes match the record's checksum;
+        else discard them and read the record again once, then fail. Never blocks (a
+        re-read goes back to the workers' queue, first), so verification cannot deadlock
+        with the landing pool."""
+        record = job.record
+        try:
+            expected = self.manifest.checksums[record]
+            actual = self._hash(data[: self.size])
+            if actual == expected:
+                land.hand_over()
+                job.future.set_result(self.stride)
+                if job.rereads:  # cured, but the disk or the bus is worth a look
+                    log.warning(
+                        "%s: record %d matched its checksum only when read again (a "
+                        "transient read error); check the disk (dmesg)",
+                        self.path,
+                        record,
+                    )
+                return
+            land.discard()
+            if job.rereads == 0:  # silent: a second mismatch is the error to report
+                job.rereads += 1
+                with self._count_lock:  # (verifier threads count concurrently)
+                    self.rereads += 1
+                self._queue.put(job, 0, first=True)  # someone waits for it: demand, first
+                return
+            layer, expert = self.manifest.record_key(record)
+            raise RecordChecksumError(
+                f"{self.path}: expert {expert} of layer {layer} (record {record}, bytes "
+                f"{record * self.stride}..{record * self.stride + self.size}) does not match "
+                f"its {self.manifest.checksum_algorithm} checksum, read twice "
+                f"({actual:x}, expected {expected:x}): the vault file is corrupt there; "
+                + FIX.format(vault=self.vault_path),
+                path=self.path,
+                record=record,
+                key=(layer, expert),
+                algorithm=self.manifest.checksum_algorithm,
+                expected=expected,
+                actual=actual,
+            )
+        except BaseException as e:  # reported to read(); nothing reaches the slot
+            land.discard()
+            if isinstance(e, RuntimeError) and self._closed:
+                e = RuntimeError(f"DirectReader closed before record {record} was read")
+            job.future.set_exception(e)
 
     def _read_range(self, view: memoryview, record: int, offset: int, start: int, end: int) -> None:
-        """Read bytes [start, end) of the record at file ``offset`` into ``view``."""
+        """Read bytes [start, end) of the record at file ``offset`` into ``view``.
+
+        A short read continues where it stopped (with O_DIRECT, from the last whole 4 KiB,
+        which it needs aligned); EINTR and EAGAIN are tried again, up to READ_ATTEMPTS
+        times in a row without progress; anything else raises VaultReadError."""
         done = start
+        stalled = 0  # attempts in a row that moved nothing
         while done < end:
             try:
                 n = os.preadv(self.fd, [view[done:end]], offset + done)
-            except InterruptedError:  # PEP 475 retries EINTR itself; this covers a raised one
-                continue
             except OSError as e:
-                raise self._error(record, f"{e.strerror or e}", e.errno) from e
+                stalled += 1
+                if e.errno in TRANSIENT_ERRNOS and stalled < READ_ATTEMPTS:
+                    continue
+                raise self._error(record, describe_os_error(e), e.errno) from e
             if n == 0:  # EOF before the record's end
-                raise self._error(record, f"vault file truncated at record {record}", None)
-            done += n  # a short read: continue where it stopped
+                raise self._error(
+                    record, f"the file ends inside it (at byte {offset + done}): truncated", None
+                )
+            moved = n - n % _DIRECT_BLOCK if self.direct else n
+            if moved:
+                done += moved
+                stalled = 0
+                continue
+            stalled += 1  # a direct read shorter than a block: read that block again
+            if stalled >= READ_ATTEMPTS:
+                raise self._error(record, f"short reads of {n} bytes at {offset + done}", None)
 
     def _error(self, record: int, what: str, cause_errno: int | None) -> VaultReadError:
         layer, expert = self.manifest.record_key(record)
         return VaultReadError(
-            f"{self.path}: reading expert {expert} of layer {layer} (record {record}, "
-            f"bytes {record * self.stride}..{(record + 1) * self.stride}) failed: {what}; "
-            "run 'smoe inspect --verify' on the vault, or convert the model again",
+            f"{self.path}: reading expert {expert} of layer {layer} (record {record}, bytes "
+            f"{record * self.stride}..{(record + 1) * self.stride}) failed: {what}; "
+            + FIX.format(vault=self.vault_path),
             path=self.path,
             record=record,
             key=(layer, expert),
-            cause_errno=cause_errno,
+            errno=cause_errno,
         )
 
     def close(self) -> None:
-        """Wait for reads in progress, drop queued ones, stop the threads, close the file.
+        """Wait for reads in progress (and their verification), drop queued ones, stop the
+        threads, close the file.
 
         Idempotent. A read() whose job was still queued raises RuntimeError. Blocking: call
         it when no reads are wanted any more (it waits for at most ``workers`` reads).
@@ -359,9 +503,13 @@ class DirectReader:
                 return
             self._closed = True
         for job in self._queue.close():
-            job.future.cancel()
+            if not job.future.cancel():  # a re-read: its future is running already
+                job.future.set_exception(
+                    RuntimeError(f"DirectReader closed before record {job.record} was read")
+                )
         for t in self._threads:
             t.join()
+        self._verifier.shutdown(wait=True)  # a re-read it queues now fails: queue closed
         self._helpers.shutdown(wait=True)
         os.close(self.fd)
 

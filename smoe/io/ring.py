@@ -12,7 +12,10 @@ One interface, two backends, chosen by where the kernels read memory from:
 
 Both are used the same way:
 
-    I/O thread:      with ring.landing(slot) as memory: preadv(fd, [memory], offset)
+    I/O thread:      land = ring.land(slot); preadv(fd, [land.memory], offset)
+                     data = land.finish()                # the bytes the slot will get
+                     land.hand_over() (verified) or land.discard()   # any thread
+                     (or: with ring.landing(slot) as memory: preadv(...), handed over at exit)
     compute thread:  result = ring.block_on(future)   # wait, committing landed reads
                      ring.commit()                    # before computing on READY slots
                      ring.banks()[b][name]            # [S_b, *shape] arrays for the kernels
@@ -22,8 +25,8 @@ Both are used the same way:
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
@@ -111,6 +114,33 @@ def slots_for_budget(
     return slots
 
 
+class Landing(Protocol):
+    """Where one read of one slot goes (``ExpertRing.land``), until it is handed over.
+
+    Nothing reaches the slot (a staged ring commits nothing) before ``hand_over``, so the
+    reader can check the bytes first: the thread that read calls ``finish`` (a bounce
+    buffer is copied into the landing there, so that thread may read again at once);
+    any thread then calls ``hand_over`` or ``discard``, once.
+    """
+
+    memory: memoryview  # where to read: ``stride`` bytes, 16 KiB aligned
+
+    def finish(self) -> memoryview:
+        """The read is done: the bytes as the slot will get them (``stride`` long)."""
+        ...
+
+    def hand_over(self) -> None:
+        """Give the bytes to the slot (a staged ring queues its commit). Once the ring is
+        closed the landing is just freed."""
+        ...
+
+    def discard(self) -> None:
+        """Drop the bytes: the landing buffer goes back to the pool (idempotent; after a
+        ``hand_over`` it does nothing). A unified ring's slot then holds junk, which no
+        one computes on: the slot is not READY."""
+        ...
+
+
 class ExpertRing(Protocol):
     """What the reader, the scheduler's users and the expert module need of a ring."""
 
@@ -120,10 +150,15 @@ class ExpertRing(Protocol):
     stride: int  # bytes one read moves: the vault's record stride
     nbytes: int  # memory the slots take (the budget's subject)
 
+    def land(self, slot: int) -> Landing:
+        """I/O thread: a Landing for ``slot``'s next record. May block until a landing
+        buffer is free (staged ring); RuntimeError once the ring is closed."""
+        ...
+
     def landing(self, slot: int) -> AbstractContextManager[memoryview]:
-        """I/O thread: where to read ``slot``'s next record (``stride`` bytes, 16 KiB
-        aligned). Leaving the block normally hands the bytes to the slot; an exception
-        discards them. May block until a landing buffer is free (staged ring)."""
+        """``land`` as a block: where to read ``slot``'s next record (``stride`` bytes, 16
+        KiB aligned). Leaving the block normally hands the bytes to the slot unchecked;
+        an exception discards them."""
         ...
 
     def commit(self) -> int:
@@ -151,3 +186,16 @@ class ExpertRing(Protocol):
 
 
 OnLanded = Callable[[], None]
+
+
+@contextmanager
+def landing_block(land: Landing) -> Iterator[memoryview]:
+    """``land``'s memory as a block: handed over when the block ends normally, discarded
+    when it raises (the ``landing`` of both rings)."""
+    try:
+        yield land.memory
+        land.finish()
+    except BaseException:
+        land.discard()
+        raise
+    land.hand_over()

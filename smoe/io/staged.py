@@ -8,7 +8,8 @@ ring never converts or copies it. A read goes:
     disk --preadv (O_DIRECT)--> landing buffer (host) --commit: MLX update--> slot (device)
 
 - Landing buffers are a fixed pool of host MLX arrays (``landings`` of them, one record
-  each), allocated once; an I/O thread takes one, reads into it and hands it over. With
+  each), allocated once; an I/O thread takes one and reads into it; the reader checks the
+  landed bytes against the record's checksum and only then hands them over. With
   ``bounce`` the read goes into a per-thread aligned host buffer first and is copied into
   the landing: on CUDA, landings are managed memory, which O_DIRECT must not target
   (docs/gpu.md).
@@ -35,8 +36,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,7 +46,13 @@ import numpy as np
 
 from smoe.io.cuda_host import keep_on_host
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.ring import GPU_MAX_ARRAY_BYTES, check_ring_args, is_float, mx_dtype
+from smoe.io.ring import (
+    GPU_MAX_ARRAY_BYTES,
+    check_ring_args,
+    is_float,
+    landing_block,
+    mx_dtype,
+)
 from smoe.units import format_bytes
 from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
 
@@ -78,6 +85,38 @@ class _Landing:
         begin = self.start + c.offset
         a = flat[begin : begin + c.nbytes].view(mx_dtype(c.dtype)).reshape(c.shape)
         return a if a.dtype == dtype else a.astype(dtype)
+
+
+class _Staging:
+    """One read on its way to a slot of a StagedRing (the ring's ``Landing``)."""
+
+    def __init__(
+        self, ring: StagedRing, slot: int, land: _Landing, bounce: memoryview | None
+    ) -> None:
+        self._ring = ring
+        self._slot = slot
+        self._land: _Landing | None = land
+        self._bounce = bounce
+        self.memory = bounce if bounce is not None else land.memory
+
+    def finish(self) -> memoryview:
+        """On the thread that read: a bounced read is copied into the landing here (a CPU
+        copy: managed memory stays coherent), so that thread's bounce buffer is free."""
+        assert self._land is not None, "finish after hand_over or discard"
+        if self._bounce is not None:
+            self._land.memory[:] = self._bounce
+            self._bounce = None
+        return self._land.memory
+
+    def hand_over(self) -> None:
+        land, self._land = self._land, None
+        assert land is not None and self._bounce is None, "hand_over needs a finished read"
+        self._ring._hand_over(self._slot, land)
+
+    def discard(self) -> None:
+        land, self._land = self._land, None
+        if land is not None:
+            self._ring._give_back([land])
 
 
 def _aligned_host(nbytes: int, *, huge: bool) -> tuple[np.ndarray, memoryview]:
@@ -225,27 +264,25 @@ class StagedRing:
         return sum(math.prod(c.shape) * target_dtype(c, dtype).size for c in layout.components)
 
     # ------------------------------------------------------------------ I/O side
-    @contextmanager
-    def landing(self, slot: int) -> Iterator[memoryview]:
-        """A free landing buffer (blocks until one is); on success it is queued for slot
-        ``slot``'s commit, on an exception it goes back to the pool. RuntimeError once
-        the ring is closed."""
+    def land(self, slot: int) -> _Staging:
+        """A free landing buffer for slot ``slot`` (blocks until one is): read into its
+        ``memory`` (this thread's bounce buffer with ``bounce``), ``finish`` on the thread
+        that read, then ``hand_over`` queues it for the commit, or ``discard`` gives it
+        back. RuntimeError once the ring is closed."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         land = self._take()
-        try:
-            if self.bounce:
-                buffer = self._bounce()
-                yield buffer
-                land.memory[:] = buffer  # a CPU copy: managed memory stays coherent
-            else:
-                yield land.memory
-        except BaseException:
-            self._give_back([land])
-            raise
+        return _Staging(self, slot, land, self._bounce() if self.bounce else None)
+
+    def landing(self, slot: int) -> AbstractContextManager[memoryview]:
+        """``land`` as a block: handed over (unchecked) at its end, discarded if it raises."""
+        return landing_block(self.land(slot))
+
+    def _hand_over(self, slot: int, land: _Landing) -> None:
         with self._cond:
             if self._closed:
                 self._free.append(land)
+                self._cond.notify_all()
                 return
             self._pending.append((slot, land))
             self._cond.notify_all()

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
 from smoe.io.hugepages import advise_huge_pages
-from smoe.io.ring import check_ring_args, mx_dtype
+from smoe.io.ring import check_ring_args, landing_block, mx_dtype
 from smoe.units import format_bytes
 from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
@@ -42,6 +41,23 @@ T = TypeVar("T")
 # The ring starts at a 16 KiB boundary: O_DIRECT needs aligned buffers, and MLX's CPU
 # allocations are not even page-aligned (one was at address % 4096 == 1176).
 _ALIGN = RECORD_ALIGN
+
+
+class _InPlace:
+    """A read straight into its slot: nothing to copy, hand over or give back. The slot
+    is READY only once the reader says so, so a discarded read's bytes are never used."""
+
+    def __init__(self, memory: memoryview) -> None:
+        self.memory = memory
+
+    def finish(self) -> memoryview:
+        return self.memory
+
+    def hand_over(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
 
 
 class UnifiedRing:
@@ -88,10 +104,12 @@ class UnifiedRing:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         return self._memory[slot * self.stride : (slot + 1) * self.stride]
 
-    @contextmanager
-    def landing(self, slot: int) -> Iterator[memoryview]:
+    def land(self, slot: int) -> _InPlace:
         """The slot itself: a read lands in place (nothing to hand over afterwards)."""
-        yield self.slot_memory(slot)
+        return _InPlace(self.slot_memory(slot))
+
+    def landing(self, slot: int) -> AbstractContextManager[memoryview]:
+        return landing_block(self.land(slot))
 
     # ------------------------------------------------------------------ compute side
     def commit(self) -> int:

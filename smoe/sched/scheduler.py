@@ -15,6 +15,9 @@ no lock is needed. Rules it keeps (tests/test_sched_*.py check each):
 - Speculation only takes EMPTY or unpinned READY slots, never while demand waits for room.
 - A request never waits for room while its task holds pins (no hold-and-wait), so
   requests cannot deadlock; what cannot be satisfied fails at once with RingTooSmall.
+- A failed read fails every awaiter with ReadError (a SmoeError) and leaves its slot
+  EMPTY. Pins have one owner, who releases them exactly once: the holder of a
+  Reservation (whose waits never release), or ``acquire`` itself until it returns.
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ class Slot:
 class Reservation:
     """Pinned slots for one request, in the order the experts were asked for.
 
-    ``wait()`` returns once every slot is READY; if a read fails it releases everything
-    and raises ReadError. ``release()`` unpins (idempotent). As an async context manager it
-    waits on entry and releases on exit, also when cancelled.
+    Release ownership: whoever holds a Reservation releases it, exactly once, with
+    ``release()``, whatever happened: the waits succeeded, raised ReadError, or were
+    cancelled. ``wait()`` and ``wait_any()`` never release (the holder's ``finally``
+    does); ``release()`` is idempotent only so that a ``finally`` may follow an early
+    release. As an async context manager it waits on entry and releases on exit, also
+    when the entry's wait raises or is cancelled.
     """
 
     scheduler: ExpertScheduler
@@ -65,53 +71,58 @@ class Reservation:
         return [self.scheduler._slots[s].state is SlotState.READY for s in self.slots]
 
     async def wait(self) -> list[int]:
-        try:
-            pending = [f for f in self._futures if not f.done()]
-            if pending:
-                # asyncio.wait never cancels the futures it waits on; awaiting them directly
-                # would cancel the shared load when this one waiter is cancelled.
-                await asyncio.wait(pending)
+        """The slots, once every one is READY. Raises a failed read's ReadError as soon
+        as one fails, or CancelledError; the slots stay pinned either way (the holder
+        releases)."""
+        while True:
             for f in self._futures:
-                if f.cancelled():
-                    raise asyncio.CancelledError
-                if f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
-        except BaseException:
-            self.release()
-            raise
-        return list(self.slots)
+                if f.done():
+                    _raise_failure(f)
+            pending = [f for f in self._futures if not f.done()]
+            if not pending:
+                return list(self.slots)
+            # asyncio.wait never cancels the futures it waits on; awaiting them directly
+            # would cancel the shared load when this one waiter is cancelled.
+            await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
 
     async def wait_any(self, positions: list[int]) -> list[int]:
         """Wait until at least one of ``positions`` (indices into the request) is READY;
-        return all of them that are. A failed read raises its ReadError after releasing
-        everything, as ``wait`` does."""
-        try:
-            futures = [self._futures[p] for p in positions]
-            if not any(f.done() for f in futures):
-                await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-            done = []
-            for p, f in zip(positions, futures, strict=True):
-                if f.done():
-                    if f.cancelled():
-                        raise asyncio.CancelledError
-                    if f.exception() is not None:
-                        raise f.exception()  # type: ignore[misc]
-                    done.append(p)
-        except BaseException:
-            self.release()
-            raise
+        return all of them that are. A failed read among them raises its ReadError; as
+        with ``wait``, nothing is released."""
+        futures = [self._futures[p] for p in positions]
+        if not any(f.done() for f in futures):
+            await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+        done = []
+        for p, f in zip(positions, futures, strict=True):
+            if f.done():
+                _raise_failure(f)
+                done.append(p)
         return done
 
     def release(self) -> None:
+        """Unpin the slots (the holder's single release; later calls do nothing)."""
         if not self.released:
             self.released = True
             self.scheduler._unpin(self.slots, self.owner)
 
     async def __aenter__(self) -> list[int]:
-        return await self.wait()
+        try:
+            return await self.wait()
+        except BaseException:  # no __aexit__ follows a failed entry
+            self.release()
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+def _raise_failure(future: asyncio.Future[None]) -> None:
+    """Raise what ended a done load's ``future`` unsuccessfully, if anything did."""
+    if future.cancelled():
+        raise asyncio.CancelledError
+    error = future.exception()
+    if error is not None:
+        raise error
 
 
 class ExpertScheduler:
@@ -208,12 +219,17 @@ class ExpertScheduler:
         """Pin the slots of ``experts`` of ``layer`` and return them once all are READY.
 
         The slot ids follow the order of ``experts`` with duplicates removed. Pair with
-        ``release(slots)``. Cancelling the caller unpins everything it pinned; reads already
-        in flight complete and stay cached. Raises RingTooSmall (at once) if the request
-        can never fit, ReadError if a read fails (after unpinning).
+        ``release(slots)``: once it returns, the caller owns the pins. Until then it owns
+        them itself: cancelling the caller unpins everything it pinned (reads already in
+        flight complete and stay cached), and so does a failed read before ReadError is
+        raised. Raises RingTooSmall (at once) if the request can never fit.
         """
         reservation = await self.reserve(layer, experts, priority, owner)
-        return await reservation.wait()
+        try:
+            return await reservation.wait()
+        except BaseException:  # the caller never saw the slots: this is their one release
+            reservation.release()
+            raise
 
     def release(self, slots: Iterable[int], owner: object = None) -> None:
         """Unpin slots returned by ``acquire``.
@@ -231,6 +247,8 @@ class ExpertScheduler:
         owner: object = None,
     ) -> Reservation:
         """Pin slots for ``experts`` and queue their reads; do not wait for the reads.
+        The caller holds the returned Reservation and releases it once, whatever happens
+        (see Reservation).
 
         Waits only for room (until other tasks release pins), and only while the calling
         task holds no pins of its own; otherwise a request that does not fit now raises
@@ -509,10 +527,15 @@ class ExpertScheduler:
                     self._wake_room()
 
     def _unpin(self, slots: list[int], owner: object) -> None:
+        # Checked before anything changes, also under python -O (which drops asserts): a
+        # negative pin count would let the slot be reused while a request computes on it.
+        taken = Counter(slots)
+        for index, n in taken.items():
+            if self._slots[index].pins < n:
+                raise RuntimeError(f"slot {index} released more often than pinned (a bug)")
         woke = False
         for index in slots:
             slot = self._slots[index]
-            assert slot.pins > 0, f"slot {index} released more often than pinned"
             slot.pins -= 1
             if slot.pins == 0:
                 woke = True

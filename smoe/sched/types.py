@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import Enum, IntEnum
 from typing import Protocol
 
+from smoe.errors import ExpertReadError, SmoeError
+
 Key = tuple[int, int]  # (decoder layer, expert)
 
 
@@ -21,8 +23,9 @@ class SlotState(Enum):
     READY = "ready"  # holds its record; stays cached after release
 
 
-class RingTooSmall(ValueError):
-    """One request needs more slots than the ring has (or than can ever be freed for it)."""
+class RingTooSmall(SmoeError, ValueError):
+    """One request needs more slots than the ring has (or than can ever be freed for it):
+    a SmoeError, since a larger --memory (or fewer concurrent requests) fixes it."""
 
     def __init__(self, message: str, needed: int, available: int) -> None:
         super().__init__(message)
@@ -30,25 +33,19 @@ class RingTooSmall(ValueError):
         self.available = available
 
 
-class ReadError(OSError):
-    """Reading a record failed; the message names the (layer, expert) and record."""
-
-    def __init__(self, key: Key, record: int, cause: BaseException) -> None:
-        layer, expert = key
-        super().__init__(
-            f"reading expert {expert} of layer {layer} (record {record}) failed: {cause}"
-        )
-        self.key = key
-        self.record = record
-        self.cause = cause
+# Reading a record failed: a SmoeError (one line naming the expert, the record and the fix;
+# the backend's exception is ``cause``). Defined with the other user-facing errors.
+ReadError = ExpertReadError
 
 
 class ReadBackend(Protocol):
     """Moves one record's bytes into one ring slot.
 
-    ``read`` returns the number of bytes read, or raises. It must not return or raise while
-    its worker may still write into the slot, even when the awaiting task is cancelled: the
-    scheduler reuses the slot as soon as ``read`` finishes. ``priority`` is the read's
+    ``read`` returns the number of bytes read once the slot holds the record (verified,
+    where the backend checks records), or raises; the scheduler then fails every awaiter
+    of the read with ReadError and never marks its slot READY. It must not return or raise
+    while its worker may still write into the slot, even when the awaiting task is
+    cancelled: the scheduler reuses the slot as soon as ``read`` finishes. ``priority`` is the read's
     ``Priority`` when it was handed over: a backend that queues reads (a scheduler with a
     runway hands it more than it has workers) must start DEMAND ones first.
     """

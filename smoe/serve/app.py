@@ -1,7 +1,10 @@
 """`smoe serve`: an OpenAI-compatible HTTP server (aiohttp on uvloop) over one Engine.
 
 Endpoints: POST /v1/chat/completions (JSON or server-sent events), POST /v1/completions,
-GET /v1/models, GET /health, GET /v1/smoe/stats. Errors use OpenAI's error format.
+GET /v1/models, GET /health, GET /v1/smoe/stats. Errors use OpenAI's error format: a 4xx
+naming the field for a bad request (smoe/serve/validate.py checks every field), 503 when
+the engine cannot serve (its vault or disk failing), 500 only for a bug of ours; a 5xx
+tells the client a request id, never internals, and the server log has the details.
 
 Concurrent requests are decoded together by the engine's batcher (one step advances every
 active request; per MoE layer the union of their experts is read once), with results
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -22,44 +26,49 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from jinja2 import TemplateError
 
+from smoe.compute.model import compute_dtype_note
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.serve.stops import StopMatcher
+from smoe.serve.validate import (
+    MAX_BODY_BYTES,
+    ApiError,
+    Limits,
+    check_content_type,
+    parse_body,
+    validate_request,
+)
+
+__all__ = ["ApiError", "PrefixCache", "Server", "ServerOptions", "serve"]
 
 MAX_TOKENS_LIMIT = 32768
+DEFAULT_MAX_TOKENS = 256  # when a request sets none (and the context has room)
 log = logging.getLogger("smoe.serve")
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
+class _MalformedHttp(logging.Filter):
+    """aiohttp answers malformed HTTP (a line too long, a bad chunk) with a 400 and logs
+    it with a traceback at ERROR; it is the client's fault, so: one line at DEBUG."""
 
-    def response(self) -> web.Response:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        return web.json_response(body, status=self.status)
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if not http_log.isEnabledFor(logging.DEBUG):
+            return False
+        record.msg = f"{record.getMessage()}: 400 {_line(exc.message)}"
+        record.args, record.exc_info = None, None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+http_log = logging.getLogger("smoe.serve.http")  # aiohttp's protocol messages
+http_log.addFilter(_MalformedHttp())
 
 
 @dataclass
@@ -70,27 +79,17 @@ class ServerOptions:
     cached_sequences: int = 8  # KV caches kept for prefix reuse
     cached_bytes: int = 2 * 1024**3  # and at most this much of their keys and values
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
+    body_timeout_s: float = 60.0  # a body slower than this gets 408 (a stalled client)
 
 
 @dataclass
 class RequestOptions:
-    max_tokens: int
+    max_tokens: int  # not sent: as many as the context has room for, up to 256
     params: SamplingParams
     stream: bool
     stops: list[str]
     stop_at_eos: bool
-
-
-def _text_content(content: Any) -> str | None:
-    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        for part in content
-    ):
-        return "\n".join(part["text"] for part in content)
-    return None
 
 
 @dataclass
@@ -126,15 +125,27 @@ def _cache_bytes(seq: Sequence_) -> int:
     return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
 
 
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number", param=name)
-    if not isinstance(value, kind):
-        raise ApiError(400, f"'{name}' has the wrong type", param=name)
-    return value
+def _failure(e: Exception, rid: str) -> ApiError:
+    """What the client is told about a failure that is not its request's fault. A
+    SmoeError or OSError (the vault or disk failing, the engine closed) is the operator's
+    to fix: 503, one log line. Anything else is a bug of ours: 500, the traceback logged
+    once. Neither tells the client more than the class and a request id to quote."""
+    if isinstance(e, (SmoeError, OSError)):
+        log.error("request %s: %s: %s", rid, type(e).__name__, " ".join(str(e).split()))
+        return ApiError(
+            503,
+            f"the server cannot serve requests right now ({type(e).__name__}); retry "
+            f"later, or give its operator the request id {rid}",
+            "server_error",
+            code="service_unavailable",
+        )
+    log.error("request %s failed", rid, exc_info=e)
+    return ApiError(
+        500,
+        f"internal server error; give the server's operator the request id {rid}",
+        "server_error",
+        code="internal_error",
+    )
 
 
 class Server:
@@ -145,7 +156,10 @@ class Server:
         self.options = options
         self.cache = PrefixCache(options.cached_sequences, options.cached_bytes)
         self.reused_tokens = 0
-        self.app = web.Application(middlewares=[self._errors, self._auth])
+        self.app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=options.max_body_bytes
+        )
+        self.vocab = int(engine.vault.manifest.topology["vocab_size"])
         self.app.add_routes(
             [
                 web.get("/health", self.health),
@@ -159,17 +173,29 @@ class Server:
     # ------------------------------------------------------------- middleware
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        rid = "req_" + uuid.uuid4().hex[:20]
+        _request_id.set(rid)  # the handler runs in this task: it sees the id
         try:
-            return await handler(request)
+            response = await handler(request)
         except ApiError as e:
-            return e.response()
-        except SmoeError as e:
-            return ApiError(400, str(e)).response()
+            response = e.response()
+            if e.status == 408:  # the body stalled: answer, then close at once (else
+                # aiohttp waits up to 10 s more for the body before closing)
+                response.headers["X-Request-Id"] = rid
+                await response.prepare(request)
+                await response.write_eof()
+                request.protocol.force_close()
         except web.HTTPException as e:
-            return ApiError(e.status, e.reason or "error").response()
-        except Exception as e:  # a fault of ours (an I/O error, a bug): say so, keep serving
-            log.exception("request failed")
-            return ApiError(500, f"internal error: {e}", "server_error").response()
+            if e.status < 400:
+                raise
+            response = _http_error(request, e, self.options.max_body_bytes).response()
+        except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
+            raise
+        except Exception as e:  # not the request's fault: keep serving, tell no internals
+            response = _failure(e, rid).response()
+        if not response.prepared:  # a stream has sent its headers already, with the id
+            response.headers["X-Request-Id"] = rid
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -221,6 +247,10 @@ class Server:
                     else 0.0,
                 },
                 "prefix_reused_tokens": self.reused_tokens,
+                # exactness claims hold for a dtype: say which, and why (docs/api.md)
+                "compute_dtype": compute_dtype_note(
+                    self.engine.vault, self.engine.dtype, self.engine.options.dtype is not None
+                ),
                 "prefix_cache": {
                     "sequences": len(self.cache.entries),
                     "bytes": self.cache.nbytes(),
@@ -230,114 +260,99 @@ class Server:
         )
 
     # ------------------------------------------------------------- completions
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _request(self, request: web.Request, endpoint: str) -> dict[str, Any]:
+        """The request's fields, validated (smoe/serve/validate.py); ApiError 4xx if not."""
+        check_content_type(request.headers.get("Content-Type"))
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
-
-    def _options(self, body: dict[str, Any]) -> RequestOptions:
-        """The generation settings of a request; ApiError 400 names the bad field."""
-        max_tokens = _field(body, "max_tokens", int, None)
-        if max_tokens is None:
-            max_tokens = _field(body, "max_completion_tokens", int, 256)
-        if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+            async with asyncio.timeout(self.options.body_timeout_s):
+                raw = await request.read()  # 413 past client_max_size
+        except TimeoutError:
             raise ApiError(
-                400, f"max_tokens must be between 1 and {MAX_TOKENS_LIMIT}", param="max_tokens"
-            )
-        number = (int, float)
+                408,
+                f"the request body did not arrive within {self.options.body_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
+        body = parse_body(raw)
+        limit = min(MAX_TOKENS_LIMIT, self.engine.max_context)
+        return validate_request(body, endpoint, Limits(vocab=self.vocab, max_tokens=limit))
+
+    def _options(self, fields: dict[str, Any], prompt: int, chat: bool) -> RequestOptions:
+        """The generation settings of validated ``fields`` for a ``prompt`` of so many
+        tokens; ApiError 400 (context_length_exceeded) if the reply has no room."""
+        top_k = fields["top_k"]
         params = SamplingParams(
-            temperature=float(_field(body, "temperature", number, 1.0)),
-            top_p=float(_field(body, "top_p", number, 1.0)),
-            top_k=_field(body, "top_k", int, 0),  # vLLM's extensions: top_k, min_p,
-            min_p=float(_field(body, "min_p", number, 0.0)),  # repetition_penalty
-            repetition_penalty=float(_field(body, "repetition_penalty", number, 1.0)),
-            presence_penalty=float(_field(body, "presence_penalty", number, 0.0)),
-            frequency_penalty=float(_field(body, "frequency_penalty", number, 0.0)),
-            seed=_field(body, "seed", int, None),
+            # top_p 0 keeps only the likeliest token, which is greedy decoding
+            temperature=0.0 if fields["top_p"] == 0 else fields["temperature"],
+            top_p=fields["top_p"] or 1.0,
+            top_k=0 if top_k < 0 or top_k >= self.vocab else top_k,  # all tokens: off
+            min_p=fields["min_p"],
+            repetition_penalty=fields["repetition_penalty"],
+            presence_penalty=fields["presence_penalty"],
+            frequency_penalty=fields["frequency_penalty"],
+            seed=fields["seed"],
         )
         try:
-            params.check()
+            params.check()  # validation is stricter; this guards against drift
         except SmoeError as e:
             raise ApiError(400, str(e)) from None
-        if _field(body, "n", int, 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        for name in ("logprobs", "tools", "functions"):
-            if body.get(name):
-                raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-        stop = _field(body, "stop", (str, list), [])
-        stops = [stop] if isinstance(stop, str) else stop
-        if len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):
+        room = self.engine.max_context - prompt
+        max_tokens = fields["max_tokens"] or fields["max_completion_tokens"]
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+        if max_tokens > room:
             raise ApiError(
-                400, "'stop' must be a string or up to 4 non-empty strings", param="stop"
+                400,
+                f"{prompt} prompt tokens + {max_tokens} to generate exceed the context "
+                f"of {self.engine.max_context} tokens; shorten the prompt or lower max_tokens",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
             )
         return RequestOptions(
             max_tokens=max_tokens,
             params=params,
-            stream=_field(body, "stream", bool, False),
-            stops=stops,
-            stop_at_eos=not _field(body, "ignore_eos", bool, False),  # vLLM's extension
+            stream=fields["stream"],
+            stops=fields["stop"],
+            stop_at_eos=not fields["ignore_eos"],  # vLLM's extension
         )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        messages = body.get("messages")
-        turns = (
-            [
-                {"role": m.get("role"), "content": _text_content(m.get("content"))}
-                for m in messages
-                if isinstance(m, dict)
-            ]
-            if isinstance(messages, list)
-            else []
-        )
-        if (
-            not turns
-            or len(turns) != len(messages)
-            or not all(isinstance(t["role"], str) and t["content"] is not None for t in turns)
-        ):
-            raise ApiError(
-                400,
-                "'messages' must be a non-empty list of {role, content}, content being text "
-                "or a list of text parts",
-                param="messages",
-            )
+        fields = await self._request(request, "chat")
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
-        ids = self.engine.tokenizer.apply_chat_template(
-            turns,
-            add_generation_prompt=True,
-            tokenize=True,
-        )
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(
+                fields["messages"], add_generation_prompt=True, tokenize=True
+            )
+        except TemplateError as e:  # the model's template refuses them (e.g. role order)
+            raise ApiError(
+                400,
+                f"Invalid 'messages': the model's chat template refused them: {_line(e)}",
+                param="messages",
+                code="invalid_value",
+            ) from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return await self._complete(request, body, ids, chat=True)
+        return await self._complete(request, fields, ids, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        prompt = body.get("prompt")
+        fields = await self._request(request, "completions")
+        prompt = fields["prompt"]
         if isinstance(prompt, str):
-            ids = self.engine.encode(prompt)
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            ids = list(prompt)
+            try:
+                ids = self.engine.encode(prompt)
+            except SmoeError as e:  # no tokenizer: the client must send token ids
+                raise ApiError(400, str(e), param="prompt") from None
         else:
-            raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
-        return await self._complete(request, body, ids, chat=False)
+            ids = prompt
+        return await self._complete(request, fields, ids, chat=False)
 
     async def _complete(
-        self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool
+        self, request: web.Request, fields: dict[str, Any], ids: list[int], chat: bool
     ) -> web.StreamResponse:
-        opts = self._options(body)
-        try:
-            ids = self.engine._check_tokens(ids, extra=opts.max_tokens)
-        except SmoeError as e:
-            raise ApiError(400, str(e), code="context_length_exceeded") from None
+        if not ids:  # a text that tokenizes to nothing
+            raise ApiError(400, "Invalid 'prompt': it encodes to no tokens.", param="prompt")
+        opts = self._options(fields, len(ids), chat)
+        # validation checked the ids and the length: only a closed engine fails here (503)
+        ids = self.engine._check_tokens(ids, extra=opts.max_tokens)
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
         return await self._run(request, ids, opts, chat)
@@ -357,6 +372,7 @@ class Server:
             return seq
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        request_id = _request_id.get()
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         text: list[str] = []
@@ -365,7 +381,11 @@ class Server:
         stops = StopMatcher(opts.stops)
         if opts.stream:
             response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": request_id,
+                }
             )
             await response.prepare(request)
         try:
@@ -387,16 +407,19 @@ class Server:
                             await self._sse(response, rid, kind, created, piece, None, chat)
                     if stops.stopped:
                         break
+        except ConnectionError:
+            if response is None:
+                raise
+            return response  # the client has gone: nobody to tell
         except Exception as e:
             if response is None:
                 raise
             # The stream has begun (status 200 sent): the error goes as an event.
-            log.exception("generation failed")
-            err = ApiError(500, f"internal error: {e}", "server_error")
-            error = {"message": err.message, "type": err.type, "param": None, "code": None}
-            await response.write(f"data: {json.dumps({'error': error})}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            error = json.dumps(_failure(e, request_id).to_json())
+            with contextlib.suppress(ConnectionError):  # the client may be gone too
+                await response.write(f"data: {error}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
             return response
         finally:
             if seq is not None:
@@ -461,6 +484,33 @@ class Server:
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
 
+def _http_error(request: web.Request, e: web.HTTPException, max_body: int) -> ApiError:
+    """aiohttp's own refusals (no route, wrong method, body too large) in OpenAI's shape."""
+    what = f"{request.method} {request.path}"
+    if e.status == 404:
+        return ApiError(404, f"no such endpoint: {what}", code="not_found")
+    if e.status == 405:
+        allowed = getattr(e, "allowed_methods", None) or ()
+        return ApiError(
+            405,
+            f"{what} is not allowed; use {' or '.join(sorted(allowed)) or 'another method'}",
+            code="method_not_allowed",
+        )
+    if e.status == 413:
+        return ApiError(
+            413,
+            f"the request body exceeds this server's limit of {max_body} bytes",
+            code="request_too_large",
+        )
+    return ApiError(e.status, e.reason or "error")
+
+
+def _line(e: object) -> str:
+    """An exception's message on one line, at most 200 characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 async def serve(
     engine: Engine,
     host: str,
@@ -471,11 +521,13 @@ async def serve(
 ) -> None:
     """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks one).
     A client that disconnects cancels its handler (and so its generation after the step
-    in progress). ``server``: a Server made by the caller (benchmarks inspect it)."""
+    in progress). ``server``: a Server made by the caller (benchmarks inspect it).
+    Raises OSError if ``host``/``port`` cannot be bound; a request's failure never escapes
+    (it becomes that request's 4xx or 5xx, see the module doc)."""
     server = server or Server(engine, options)
     if options.prewarm_when_idle:
         engine.batcher.on_idle = engine.prewarm
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, logger=http_log)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

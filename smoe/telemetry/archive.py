@@ -13,12 +13,13 @@ N tokens in processing order. Written atomically (temp name, fsync, rename).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from smoe.fsutil import atomic_write, sweep_stale
 
 PREFILL, DECODE = 0, 1
 
@@ -59,18 +60,21 @@ class RoutingArchive:
         return out
 
     def save(self, path: str | Path) -> Path:
+        """Write the archive to ``path`` (".npz" appended if missing) atomically: readers see
+        the old file or the whole new one. Raises SmoeError if it cannot be written (the old
+        file then stays)."""
         path = Path(path)
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
-        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
         meta = {
             **self.meta,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
             "format": "smoe-routing-1",
         }
+        sweep_stale(path.parent, targets=[path.name])  # saves of this file killed before
         try:
-            with open(tmp, "wb") as f:
+            with atomic_write(path, keep_suffix=True) as f:  # .NAME.tmp-PID.npz
                 np.savez_compressed(
                     f,
                     ranks=self.ranks.astype(np.uint16),
@@ -79,20 +83,23 @@ class RoutingArchive:
                     layers=np.asarray(self.layers, np.int32),
                     meta=np.array(json.dumps(meta)),
                 )
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        except OSError as e:
+            from smoe.errors import SmoeError
+
+            raise SmoeError(
+                f"cannot write routing archive {path} ({e}); check that the directory "
+                "exists and has space"
+            ) from None
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingArchive:
+        """Read an archive written by ``save``. Raises SmoeError if the file is missing,
+        truncated, not an npz or not a routing archive."""
         from smoe.errors import SmoeError
 
-        try:
-            with np.load(path, allow_pickle=False) as z:
+        try:  # our own handle: np.load leaks its file when the zip is bad
+            with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
                 if meta.get("format") != "smoe-routing-1":
                     raise SmoeError(f"{path} is not an S-MoE routing archive")
@@ -105,7 +112,9 @@ class RoutingArchive:
                     z["phase"],
                     meta,
                 )
-        except (OSError, KeyError, ValueError) as e:
+        except SmoeError:
+            raise
+        except Exception as e:  # BadZipFile, EOFError, zlib.error, OSError, KeyError...
             raise SmoeError(f"cannot read routing archive {path} ({e})") from None
 
 

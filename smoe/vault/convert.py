@@ -12,7 +12,6 @@ import datetime as _dt
 import errno
 import os
 import shutil
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,15 @@ import numpy as np
 import smoe
 from smoe.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.errors import SmoeError
-from smoe.fsutil import fsync_path, remove_tree, replace_dir, write_json_atomic
+from smoe.fsutil import (
+    fsync_path,
+    recover_dir,
+    remove_tree,
+    replace_dir,
+    sweep_stale,
+    temp_path,
+    write_json_atomic,
+)
 from smoe.vault.format import (
     BACKBONE_FILE,
     CONFIG_FILE,
@@ -35,7 +42,9 @@ from smoe.vault.format import (
     Manifest,
     RecordLayout,
     Vault,
+    file_checksum,
 )
+from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.tensorfile import array_bytes, dtype_name, write_safetensors
 
 BITS_CHOICES = (2, 3, 4, 6, 8, 16)
@@ -125,6 +134,45 @@ class _Plan:
             )
             for m in ck.experts
         }
+        # How an MLX source packs each expert projection (None: float), checked to be the
+        # same in every MoE layer: records share one layout.
+        self.source_packing = self._source_packing() if self.source_q is not None else {}
+
+    def _source_packing(self) -> dict[str, dict[str, Any] | None]:
+        """{projection: {'mode', 'bits', 'group_size'} or None} of the source's experts, as
+        mlx-lm's loader quantized them (per-path entries, else inferred from the shapes)."""
+        modules = dict(self.ck.model.named_modules())
+
+        def packing(path: str) -> dict[str, Any] | None:
+            m = modules.get(path)
+            if getattr(m, "bits", None) is None:
+                return None
+            return {
+                "mode": getattr(m, "mode", "affine"),
+                "bits": m.bits,
+                "group_size": m.group_size,
+            }
+
+        def describe(p: dict[str, Any] | None) -> str:
+            return "float" if p is None else f"{p['bits']} bits, group {p['group_size']}"
+
+        first: dict[str, dict[str, Any] | None] | None = None
+        first_path = ""
+        for m in self.ck.experts:
+            layer = {proj: packing(f"{m.path}.{proj}") for proj in self.projections[m.path]}
+            if first is None:
+                first, first_path = layer, m.path
+                continue
+            for proj, p in layer.items():
+                if p != first.get(proj):
+                    raise SmoeError(
+                        f"the MLX source packs its experts differently from layer to layer "
+                        f"({first_path}.{proj}: {describe(first.get(proj))}; {m.path}.{proj}: "
+                        f"{describe(p)}), as mixed recipes like mixed_3_6 do, and a vault needs "
+                        "one expert layout: convert the float checkpoint instead "
+                        "(smoe convert HF_DIR VAULT --bits N), or a model quantized uniformly"
+                    )
+        return first or {}
 
     def _default_group_size(self) -> int:
         """64, or the largest smaller choice that divides every expert's input dimension
@@ -186,7 +234,7 @@ class _Plan:
             a = self.ck.params.pop(name)
             short = name[len(prefix) :]
             if self.source_q is not None or self.bits == 16 or not short.endswith(".weight"):
-                out[short] = a if self.source_q is not None else _cast(a, self.dtype)
+                out[short] = _cast(a, self.dtype)  # an MLX source's packing is kept as is
                 continue
             base = short[: -len(".weight")]
             try:
@@ -211,7 +259,7 @@ class _Plan:
                 w, s, b = mx.quantize(_cast(a, self.dtype), gs, bb)
                 out[name], out[f"{module}.scales"], out[f"{module}.biases"] = w, s, b
             else:
-                out[name] = a if self.source_q is not None else _cast(a, self.dtype)
+                out[name] = _cast(a, self.dtype)
         return out
 
     def vault_config(self) -> dict[str, Any]:
@@ -219,6 +267,15 @@ class _Plan:
         how every quantized module was packed (so mlx-lm itself can load the weights)."""
         config = dict(self.ck.config)
         if self.source_q is not None:
+            # Each expert projection's packing made explicit: mlx-lm's converter names only
+            # the modules its predicate set apart, and the records are the rest's only trace.
+            q = dict(self.source_q)
+            for path in self.projections:
+                for proj, packing in self.source_packing.items():
+                    q[f"{path}.{proj}"] = dict(packing) if packing else False
+            config["quantization"] = q
+            if "quantization_config" in config:  # mlx-lm's copy for HF tooling
+                config["quantization_config"] = q
             return config
         config.pop("quantization", None)
         config.pop("quantization_config", None)
@@ -246,9 +303,27 @@ class _Plan:
         config["quantization"] = q
         return config
 
+    def _source_experts_summary(self) -> dict[str, Any] | None:
+        """The MLX source's expert packing: one setting, or each projection's (mixed)."""
+        packs = list(self.source_packing.values())
+        quantized = [p for p in packs if p is not None]
+        if not quantized:
+            return None
+        if len(quantized) == len(packs) and all(p == quantized[0] for p in packs):
+            return {**quantized[0], "copied_from_source": True}
+
+        bits = {p["bits"] for p in quantized} | ({16} if len(quantized) < len(packs) else set())
+        return {
+            "mode": quantized[0]["mode"],
+            "bits": "/".join(str(b) for b in sorted(bits)),  # e.g. "4/8" (16: float)
+            "group_size": "/".join(str(g) for g in sorted({p["group_size"] for p in quantized})),
+            "projections": dict(self.source_packing),
+            "copied_from_source": True,
+        }
+
     def quantization_summary(self) -> dict[str, Any]:
         if self.source_q is not None:
-            experts: dict[str, Any] | None = {**self.source_q, "copied_from_source": True}
+            experts: dict[str, Any] | None = self._source_experts_summary()
         elif self.bits == 16:
             experts = None
         else:
@@ -261,7 +336,15 @@ class _Plan:
                 "modules": len(self.quantizable),
             }
             if self.quantizable
-            else ({**self.source_q, "copied_from_source": True} if self.source_q else None)
+            # the top-level setting; per-module entries stay in config.json
+            else (
+                {
+                    **{k: v for k, v in self.source_q.items() if not isinstance(v, dict | bool)},
+                    "copied_from_source": True,
+                }
+                if self.source_q
+                else None
+            )
         )
         return {"experts": experts, "backbone": backbone, "float_dtype": self.opts.dtype}
 
@@ -283,7 +366,8 @@ def _check_same_layout(layout: RecordLayout, tensors: dict[str, mx.array], where
 def _write_layer_records(
     f: Any, tensors: dict[str, mx.array], layout: RecordLayout, num_experts: int
 ) -> list[int]:
-    """Evaluate one layer's expert tensors and append its records; return their CRC32s.
+    """Evaluate one layer's expert tensors and append its records; return their checksums
+    (DEFAULT_ALGORITHM, of each record's first ``layout.size`` bytes; the rest is zeros).
 
     Components are evaluated one at a time: each projection's stacked source then lives
     only until its quantized form exists, so peak memory stays below one layer's experts.
@@ -299,13 +383,13 @@ def _write_layer_records(
         columns.append((comp, array_bytes(a).reshape(num_experts, comp.nbytes)))
         del a
     record = np.zeros(layout.stride, dtype=np.uint8)
-    crcs = []
+    sums = []
     for e in range(num_experts):
         for comp, col in columns:
             record[comp.offset : comp.offset + comp.nbytes] = col[e]
-        crcs.append(zlib.crc32(record[: layout.size]))
+        sums.append(digest(DEFAULT_ALGORITHM, record[: layout.size]))
         f.write(memoryview(record))
-    return crcs
+    return sums
 
 
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -319,6 +403,17 @@ def _copy_side_files(src: Path, dst: Path) -> list[str]:
 
 
 def _check_target(dst: Path, force: bool) -> None:
+    """Raise SmoeError unless ``dst`` may become a vault. First repairs what killed runs left
+    beside it: a --force swap interrupted between its two renames is finished (or undone),
+    and their `.NAME.converting-PID` / `.NAME.old-PID` trees are deleted."""
+    try:
+        recover_dir(dst, complete=lambda p: (p / MANIFEST).is_file())
+    except OSError as e:
+        raise SmoeError(
+            f"{dst} is missing and the vault a killed conversion moved aside beside it cannot "
+            f"be put back ({e}); rename the .{dst.name}.old-* directory to {dst.name}"
+        ) from None
+    sweep_stale(dst.parent, targets=[dst.name])
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -332,10 +427,43 @@ def _check_target(dst: Path, force: bool) -> None:
         raise SmoeError(f"{dst} is already a vault; pass --force to replace it")
 
 
+def _backbone_bytes(plan: _Plan) -> int:
+    """backbone.safetensors as backbone_tensors() will write it: cast to --dtype, the
+    --backbone-bits modules packed, the experts (still in ``ck.params``) left out."""
+    total = 8
+    bits, gs = plan.opts.backbone_bits, plan.opts.backbone_group_size
+    for name, a in plan.ck.params.items():
+        if any(name.startswith(p) for p in plan.prefixes):
+            continue
+        floating = mx.issubdtype(a.dtype, mx.floating)
+        item = plan.dtype.size if floating and plan.dtype is not None else a.dtype.size
+        module = name.rsplit(".", 1)[0]
+        if bits is not None and name.endswith(".weight") and module in plan.quantizable:
+            rows = a.size // a.shape[-1]
+            # packed uint32 words, then scales and biases per group (3 header entries)
+            total += rows * a.shape[-1] * bits // 8 + 2 * rows * (a.shape[-1] // gs) * item
+            total += 3 * (len(name) + 96)
+        else:
+            total += a.size * item + len(name) + 96  # data, then its header entry
+    return total
+
+
 def _estimate_bytes(plan: _Plan, layout: RecordLayout) -> int:
-    n = plan.ck.topology.num_experts * len(plan.ck.experts)
-    backbone = sum(a.size * a.dtype.size for a in plan.ck.params.values())
-    return n * layout.stride + backbone + (64 << 20)
+    """Bytes the vault will take: the records at their stride, the backbone as written,
+    config and side files, the manifest; plus 2% for file-system blocks and metadata."""
+    src = plan.ck.path
+    records = plan.ck.topology.num_experts * len(plan.ck.experts)
+    side = sum(
+        p.stat().st_size
+        for p in src.iterdir()
+        if p.is_file() and p.suffix in _COPY_SUFFIXES and p.name not in _NEVER_COPY
+    )
+    # config.json (with a quantization entry per expert projection) and source_config.json
+    config = 2 * (src / "config.json").stat().st_size
+    config += 128 * sum(len(projections) for projections in plan.projections.values())
+    manifest = 8192 + 24 * records  # a checksum per record, and the layout
+    need = records * layout.stride + _backbone_bytes(plan) + side + config + manifest
+    return need + need // 50
 
 
 def convert(
@@ -369,8 +497,8 @@ def convert(
         )
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
-    remove_tree(tmp)
+    tmp = temp_path(dst, "converting")
+    remove_tree(tmp)  # a dead run's that had our PID
     tmp.mkdir()
     try:
         checksums: list[int] = []
@@ -405,6 +533,7 @@ def convert(
             layers=tuple(ExpertLayer(m.layer, m.path) for m in ck.experts),
             num_experts=ck.topology.num_experts,
             checksums=checksums,
+            checksum_algorithm=DEFAULT_ALGORITHM,
             quantization=plan.quantization_summary(),
             source={
                 "path": str(src.absolute()),
@@ -413,7 +542,13 @@ def convert(
                 "files": [p.name for p in ck.files],
                 "copied": copied,
             },
-            backbone={"file": BACKBONE_FILE, "bytes": backbone_bytes, "tensors": n_backbone},
+            backbone={
+                "file": BACKBONE_FILE,
+                "bytes": backbone_bytes,
+                "tensors": n_backbone,
+                "checksum": file_checksum(tmp / BACKBONE_FILE),  # verified when opened
+            },
+            config={"file": CONFIG_FILE, "checksum": file_checksum(tmp / CONFIG_FILE)},
             created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             producer=f"smoe {smoe.__version__}",
         )
@@ -421,6 +556,7 @@ def convert(
             fsync_path(tmp / name)
         write_json_atomic(tmp / MANIFEST, manifest.to_json())  # last: now it is a vault
         fsync_path(tmp)
+        _check_target(dst, opts.force)  # a vault that appeared meanwhile still needs --force
         replace_dir(tmp, dst)
     except OSError as e:
         remove_tree(tmp)

@@ -1,15 +1,17 @@
-"""`smoe inspect`: summarise a vault, and re-check every record's checksum."""
+"""`smoe inspect`: summarise a vault; with --verify re-check every record (checksum and
+zero padding) and the backbone's and config's checksums."""
 
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from smoe.errors import VaultError
 from smoe.units import format_bytes
-from smoe.vault.format import Vault
+from smoe.vault.format import BACKBONE_FILE, CONFIG_FILE, Vault
+from smoe.vault.integrity import hasher
 
 
 def summary(vault: Vault) -> dict[str, Any]:
@@ -68,25 +70,55 @@ class BadRecord:
     layer: int
     expert: int
     index: int
-    expected: int
-    actual: int
+    expected: int  # the manifest's checksum
+    actual: int  # the bytes' checksum; -1: the record could not be read whole
+    padding_at: int | None = None  # first nonzero byte outside the components, in the record
+
+    @property
+    def problems(self) -> list[str]:
+        """What is wrong with the record: 'checksum' and/or 'padding'."""
+        return (["checksum"] if self.actual != self.expected else []) + (
+            ["padding"] if self.padding_at is not None else []
+        )
 
 
 def verify(vault: Vault, progress: Callable[[int, int], None] | None = None) -> list[BadRecord]:
-    """Re-read every record and compare its CRC32 with the manifest's; return the bad ones."""
+    """Re-read every record whole: its checksum (the manifest's algorithm) over its first
+    ``size`` bytes, and zeros in its padding (between components, and from ``size`` to
+    ``stride``: the converter writes zeros there). Return the bad records; VaultError if
+    experts.bin cannot be read."""
+    try:
+        return _verify(vault, progress)
+    except OSError as e:
+        raise VaultError(
+            f"{vault.experts_path} is unreadable ({e.strerror}); check the disk, or convert "
+            "the model again"
+        ) from None
+
+
+def _verify(vault: Vault, progress: Callable[[int, int], None] | None) -> list[BadRecord]:
     m = vault.manifest
     size, stride = m.record.size, m.record.stride
-    buf = bytearray(size)
+    checksum = hasher(m.checksum_algorithm)
+    gaps = m.record.padding()
+    zeros = bytes(max((end - start for start, end in gaps), default=0))
+    buf = bytearray(stride)
     view = memoryview(buf)
     bad = []
     fd = os.open(vault.experts_path, os.O_RDONLY)
     try:
         for i in range(m.num_records):
             got = os.preadv(fd, [view], i * stride)
-            crc = zlib.crc32(view[:got]) if got == size else -1
-            if crc != m.checksums[i]:
+            actual = checksum(view[:size]) if got == stride else -1
+            padding_at = None
+            if got == stride:
+                for start, end in gaps:
+                    if view[start:end] != zeros[: end - start]:
+                        padding_at = start + next(j for j, x in enumerate(view[start:end]) if x)
+                        break
+            if actual != m.checksums[i] or padding_at is not None:
                 layer, expert = m.record_key(i)
-                bad.append(BadRecord(layer, expert, i, m.checksums[i], crc))
+                bad.append(BadRecord(layer, expert, i, m.checksums[i], actual, padding_at))
             if progress and (i % 64 == 63 or i == m.num_records - 1):
                 progress(i + 1, m.num_records)
             # Checking must not push a big vault through the page cache.
@@ -95,3 +127,44 @@ def verify(vault: Vault, progress: Callable[[int, int], None] | None = None) -> 
     finally:
         os.close(fd)
     return bad
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    file: str
+    status: str  # "ok", "bad", or "unchecked" (the manifest records no checksum for it)
+    message: str  # what was found, and for "bad" and "unchecked" what to do
+
+
+def verify_files(vault: Vault) -> list[FileCheck]:
+    """The whole-file checksums: backbone.safetensors (hashed now, whatever stats/
+    remembers) and config.json (read and checked again)."""
+    checks = []
+    if "checksum" not in vault.manifest.backbone:
+        checks.append(_unchecked(BACKBONE_FILE))  # and no warning: this line says it
+    else:
+        try:
+            vault.verify_backbone(force=True)
+        except VaultError as e:
+            checks.append(FileCheck(BACKBONE_FILE, "bad", str(e)))
+        else:
+            checks.append(FileCheck(BACKBONE_FILE, "ok", "matches its checksum"))
+    try:
+        vault.config()
+    except VaultError as e:
+        checks.append(FileCheck(CONFIG_FILE, "bad", str(e)))
+    else:
+        has = "checksum" in vault.manifest.config
+        checks.append(
+            FileCheck(CONFIG_FILE, "ok", "matches its checksum") if has else _unchecked(CONFIG_FILE)
+        )
+    return checks
+
+
+def _unchecked(name: str) -> FileCheck:
+    return FileCheck(
+        name,
+        "unchecked",
+        "has no checksum in the manifest (the vault was made before S-MoE recorded one); "
+        "convert the model again to have it checked",
+    )
