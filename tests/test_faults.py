@@ -327,3 +327,54 @@ def test_an_eio_from_the_kernel_is_one_line_and_exit_2(vault):
     assert "Input/output error (EIO)" in line and str(vault.experts_path) in line
     assert "reading expert" in line and "of layer" in line and "(record" in line
     assert "dmesg" in line and f"smoe inspect {vault.path} --verify" in line
+
+
+@pytest.mark.asyncio
+async def test_faults_during_a_batched_server_run_give_the_text_or_a_clean_503(vault, monkeypatch):
+    """The same injection under `smoe serve`: concurrent completions are batched; each gets
+    the fault-free text (200) or a one-line 503 naming the record, never a 500 or a
+    traceback, and the server answers correctly afterwards."""
+    import aiohttp
+
+    from smoe.serve.app import ServerOptions
+    from tests.test_serve import Running
+
+    async def complete(http: aiohttp.ClientSession, base: str, prompt: list[int]):
+        body = {"model": "smoe", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+        async with http.post(base + "/v1/completions", json=body) as r:
+            return r.status, await r.json()
+
+    async with (
+        Engine.open(vault.path, slots=12, workers=2, read_parts=2, max_batch=3) as engine,
+        Running(engine, ServerOptions(api_key=None)) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        reference = {}
+        for i, p in enumerate(PROMPTS):
+            status, body = await complete(http, srv.base, p)
+            assert status == 200, body
+            reference[i] = body["choices"][0]["text"]
+        tally: Counter[str] = Counter()
+        for seed in range(6):
+            faults = Faults(200 + seed, rate=0.01)
+            monkeypatch.setattr(os, "preadv", faults)
+            runs = [complete(http, srv.base, p) for p in PROMPTS]
+            results = await asyncio.wait_for(asyncio.gather(*runs), SAFETY)
+            faults.on = False
+            for i, (status, body) in enumerate(results):
+                if status == 200:
+                    assert body["choices"][0]["text"] == reference[i], (seed, i)
+                    tally["same text"] += 1
+                else:
+                    assert status == 503, (status, body)
+                    message = body["error"]["message"]
+                    assert "\n" not in message and "Traceback" not in message
+                    tally["clean 503"] += 1
+            tally.update(faults.injected)
+            engine.scheduler.check_invariants()
+            assert pins_left(engine.scheduler) == {}
+            status, body = await complete(http, srv.base, PROMPTS[0])
+            assert status == 200 and body["choices"][0]["text"] == reference[0]
+        monkeypatch.undo()
+    assert tally["clean 503"] and tally["same text"], tally
+    print(f"\nserver faults: {dict(tally)}")
