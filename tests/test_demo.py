@@ -59,3 +59,16 @@ async def test_demo_chats(tmp_path, monkeypatch):
         events = [ev async for ev in conv.send("Hello!", max_tokens=8)]
         assert events[-1].finish_reason in ("stop", "length")
         assert conv.messages[-1]["role"] == "assistant"
+
+
+def test_a_demo_made_before_backbone_checksums_is_rebuilt(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path))
+    path = demo_vault()
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["backbone"]["checksum"]  # as an older S-MoE wrote it
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    said: list[str] = []
+    assert demo_vault(progress=said.append) == path
+    assert said and "checksum" in json.loads((path / "manifest.json").read_text())["backbone"]
