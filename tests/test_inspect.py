@@ -8,7 +8,7 @@ import json
 import pytest
 
 from smoe.vault.convert import convert
-from smoe.vault.format import Vault
+from smoe.vault.format import SIGNATURE, Vault, sign_manifest
 from smoe.vault.inspect import verify
 
 
@@ -128,6 +128,7 @@ def test_a_bad_offset_cannot_pass_verify(vault, run_cli, delta):
     said every record matched (the checksum covers the bytes, not what they mean)."""
     manifest = json.loads((vault.path / "manifest.json").read_text())
     manifest["record"]["components"][2]["offset"] += delta
+    manifest = sign_manifest({k: v for k, v in manifest.items() if k != SIGNATURE})
     (vault.path / "manifest.json").write_text(json.dumps(manifest))
     code, out, err = run_cli("inspect", vault.path, "--verify", "--quiet")
     assert code == 2 and not out

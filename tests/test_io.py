@@ -29,7 +29,7 @@ from smoe.io.ring import slots_for_budget, suggest_size
 from smoe.units import parse_size
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
-from smoe.vault.format import RECORD_ALIGN, RecordLayout, Vault
+from smoe.vault.format import RECORD_ALIGN, SIGNATURE, RecordLayout, Vault, sign_manifest
 from smoe.vault.integrity import digest
 
 SAFETY = 30  # seconds: a bug fails a test instead of hanging it; never used to synchronise
@@ -790,7 +790,9 @@ async def test_a_corrupt_record_fails_after_one_reread_naming_it(q4, tmp_path, a
             for i in range(m.num_records)
         ],
     }
-    manifest.write_text(json.dumps(data))
+    manifest.write_text(
+        json.dumps(sign_manifest({k: v for k, v in data.items() if k != SIGNATURE}))
+    )
     vault = Vault.open(tmp_path / "v")
     bad = m.num_experts + 3
     flip_bit(vault.experts_path, bad * m.record.stride + 7)

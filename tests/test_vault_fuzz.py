@@ -405,12 +405,19 @@ RAW_CONFIGS = [
 
 def _cases(vault: Path, run_all: bool) -> Iterator[tuple[str, str, bytes, bytes | None]]:
     """(class, label, manifest bytes, config bytes or None for the vault's own)."""
+    from smoe.vault.format import sign_manifest
+
     rng = random.Random(SEED)
     text = (vault / "manifest.json").read_text()
     manifest = json.loads(text)
     config = json.loads((vault / "config.json").read_text())
 
     def dump(d: Any) -> bytes:
+        # Signed again: the mutation must get past the signature to test validation (an
+        # unsigned edit is refused by it alone: test_an_unsigned_edit_is_refused).
+        if isinstance(d, dict) and "manifest_checksum" in d:
+            with contextlib.suppress(ValueError, TypeError):
+                d = sign_manifest({k: v for k, v in d.items() if k != "manifest_checksum"})
         return json.dumps(d, indent=1).encode()
 
     def apply(ops: list[Op], base: dict[str, Any]) -> bytes:
@@ -572,6 +579,10 @@ def test_manifest_and_config_fuzz(vault, tmp_path):
         f"{r['klass']}: {r['label']}: {r['outcome']}\n{r['detail']}" for r in failures[:8]
     )
     outcomes = Counter(r["outcome"] for r in results)
+    print(f"\nfuzz outcomes: {dict(outcomes)}")
+    # Mutations are signed again, so validation (not the signature) must refuse them.
+    signature = [r for r in results if "manifest_checksum" in r.get("detail", "")]
+    assert len(signature) < len(results) // 4, len(signature)
     assert len(results) >= 1000 and outcomes["rejected"] >= 800, outcomes
     assert outcomes["same"] >= 20, outcomes  # the engine check ran on accepted cases
     by_class = {r["klass"] for r in results}
@@ -595,8 +606,14 @@ def _copy(vault: Any, tmp_path: Path) -> Path:
 
 
 def _edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Edit and sign again (so that validation, not the signature, judges the edit); a
+    manifest whose edit drops the signature (an old vault) stays unsigned."""
+    from smoe.vault.format import SIGNATURE, sign_manifest
+
     m = json.loads((path / "manifest.json").read_text())
     fn(m)
+    if SIGNATURE in m:
+        m = sign_manifest({k: v for k, v in m.items() if k != SIGNATURE})
     (path / "manifest.json").write_text(json.dumps(m))
 
 
@@ -703,7 +720,7 @@ def make_old_vault(vault: Any, dst: Path) -> Path:
                 for i in range(m.num_records)
             ],
         }
-        del d["backbone"]["checksum"], d["config"]
+        del d["backbone"]["checksum"], d["config"], d["manifest_checksum"]
 
     _edit_manifest(dst, old)
     return dst
@@ -748,3 +765,37 @@ def test_config_json_must_be_a_json_object(vault, tmp_path):
 
 if __name__ == "__main__":
     main()
+
+
+def test_an_unsigned_edit_is_refused(vault, tmp_path):
+    """What validation cannot see (two like components' names exchanged, every float
+    component relabelled) changes the output; the manifest's signature refuses it."""
+    from smoe.errors import VaultError
+    from smoe.vault.format import Vault
+
+    for label, edit in (
+        ("names swapped", lambda comps: _swap_like_names(comps)),
+        ("dtype relabelled", lambda comps: _relabel_floats(comps)),
+    ):
+        dst = _copy(vault, tmp_path / label.replace(" ", "-"))
+        m = json.loads((dst / "manifest.json").read_text())
+        assert edit(m["record"]["components"]), label
+        (dst / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(VaultError, match="does not match its manifest_checksum"):
+            Vault.open(dst)
+
+
+def _swap_like_names(comps: list[dict[str, Any]]) -> bool:
+    for i, a in enumerate(comps):
+        for b in comps[i + 1 :]:
+            if (a["dtype"], a["shape"]) == (b["dtype"], b["shape"]):
+                a["name"], b["name"] = b["name"], a["name"]
+                return True
+    return False
+
+
+def _relabel_floats(comps: list[dict[str, Any]]) -> bool:
+    floats = [c for c in comps if c["dtype"] in ("bfloat16", "float16")]
+    for c in floats:
+        c["dtype"] = "float16" if c["dtype"] == "bfloat16" else "bfloat16"
+    return bool(floats)

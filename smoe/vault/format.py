@@ -191,6 +191,43 @@ def _parse_json(data: bytes, path: Path) -> Any:
         raise VaultError(f"{path} is not valid JSON ({reason}); {_FIX}") from None
 
 
+SIGNATURE = "manifest_checksum"
+
+
+def _canonical(d: dict[str, Any]) -> bytes:
+    """The manifest's bytes as signed: every key but the signature, sorted, compact."""
+    rest = {k: v for k, v in d.items() if k != SIGNATURE}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def sign_manifest(d: dict[str, Any], algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
+    """``d`` with its signature: a checksum of everything else in it, so that an edit a
+    validation cannot see (two like components' names swapped) is refused. Tools that
+    edit a manifest on purpose sign it again with this."""
+    return {**d, SIGNATURE: {"algorithm": algorithm, "value": digest(algorithm, _canonical(d))}}
+
+
+def _check_signature(raw: dict[str, Any], where: Path) -> None:
+    """VaultError unless ``raw`` matches its signature. Vaults made before signatures have
+    none: they are validated field by field only."""
+    if SIGNATURE not in raw:
+        return
+    entry = raw[SIGNATURE]
+    fix = "the manifest was edited or damaged: convert the model again"
+    if not (
+        isinstance(entry, dict)
+        and entry.get("algorithm") in HASHES
+        and type(entry.get("value")) is int
+    ):
+        raise VaultError(f"{where}: {SIGNATURE} must be {{algorithm, value}}; {fix}")
+    try:
+        signed = _canonical(raw)
+    except (ValueError, TypeError):  # e.g. 1e400 parsed as infinity: not what was signed
+        raise VaultError(f"{where} does not match its {SIGNATURE}: {fix}") from None
+    if digest(entry["algorithm"], signed) != entry["value"]:
+        raise VaultError(f"{where} does not match its {SIGNATURE}: {fix}")
+
+
 def file_checksum(path: Path | str, algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
     """``{"algorithm", "value"}``: the manifest's entry for a whole file (the backbone, the
     config). The file is mapped, not read into memory; OSError if it cannot be read."""
@@ -383,7 +420,8 @@ class Manifest:
         return self.layers[index // self.num_experts].layer, index % self.num_experts
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The manifest as written, signed (``sign_manifest``)."""
+        d = {
             "format": self.format,
             "version": self.version,
             "producer": self.producer,
@@ -404,6 +442,7 @@ class Manifest:
             "backbone": self.backbone,
             **({"config": self.config} if self.config else {}),
         }
+        return sign_manifest(d)
 
     @classmethod
     def from_json(cls, d: Any, where: str = MANIFEST) -> Manifest:
@@ -892,6 +931,8 @@ class Vault:
         raw = _parse_json(_read_limited(mpath, MAX_MANIFEST_BYTES), mpath)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise VaultError(f"{mpath} is not an S-MoE vault manifest")
+        if raw.get("version") == VERSION:  # another version is refused as such below
+            _check_signature(raw, mpath)
         manifest = Manifest.from_json(raw, str(mpath))
         vault = cls(path, manifest)
         for f in (vault.backbone_path, vault.config_path, vault.experts_path):
