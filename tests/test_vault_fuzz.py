@@ -355,9 +355,9 @@ CONFIG_FIELDS: dict[str, list[Any]] = {
 
 # Keys mlx-lm's ModelArgs requires that the manifest cannot vouch for (the topology may have
 # come from elsewhere): deleting one from an old vault's config.json makes mlx-lm raise
-# TypeError while building the model, which only smoe/compute/model.py can turn into a
-# VaultError (docs/reliability.md).
-UNPINNED = {"num_hidden_layers", "num_experts", "num_key_value_heads", "tie_word_embeddings"}
+# while building the model, which smoe/compute/model.py turns into a VaultError. None are
+# left out now; the set stays for a key a future mlx-lm needs.
+UNPINNED: set[str] = set()
 
 
 def config_ops(config: dict[str, Any]) -> list[tuple[str, str, Op]]:

@@ -182,6 +182,21 @@ def _tap_router(block: Any, layer: int, num_experts: int, tracer: Tracer) -> Non
             return
 
 
+def _model_of(vault: Vault, config: dict[str, Any]) -> nn.Module:
+    """mlx-lm's model object for ``config``. A config mlx-lm cannot build from (a key its
+    ModelArgs needs is missing or mistyped, in a vault whose config is not checksummed) is
+    a VaultError naming the file, not mlx-lm's traceback."""
+    model_class, args_class = model_classes(config)
+    try:
+        return model_class(args_class.from_dict(config))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise VaultError(
+            f"{vault.config_path} does not describe a model mlx-lm can build "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); "
+            "convert the model again"
+        ) from None
+
+
 def build_model(
     vault: Vault,
     ring: ExpertRing,
@@ -201,8 +216,7 @@ def build_model(
     """
     _check_float_experts(vault, compute_dtype)
     config = vault.config()
-    model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = _model_of(vault, config)
     weights = dict(mx.load(str(vault.backbone_path)))
     _quantize_like_mlx_lm(model, config, ChainMap(weights, record_tensors(vault)))
 
@@ -250,8 +264,7 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
     from smoe.vault.export import read_layer
 
     config = vault.config()
-    model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = _model_of(vault, config)
     weights = dict(mx.load(str(vault.backbone_path)))
     for spec in vault.manifest.layers:
         for name, a in read_layer(vault, spec.layer).items():
