@@ -1,8 +1,11 @@
 """Conversations: multi-turn chats that keep their KV cache and token stream.
 
-A turn templates the whole message list with the vault's chat template, finds the longest
-common prefix with the token stream whose keys/values are cached, trims the cache there
-and prefills only the rest. So a follow-up turn costs its new tokens, not the history.
+A turn's prompt is the token stream so far (every prompt and the ids the model generated,
+never the reply's text tokenized again, which may give other ids) followed by the chat
+template's text for the new turn; the cache is trimmed to the prefix it shares with that and
+only the rest is prefilled. So a follow-up turn costs its new tokens, not the history.
+Where the template renders past turns differently once a reply follows (some strip a
+reply's reasoning), the whole message list is templated again instead (``_follow_up``).
 
     conv = engine.conversation(system="Be brief.")
     async for event in conv.send("Hello!"):
@@ -53,6 +56,9 @@ class Conversation:
         self.system = system
         self.messages: list[dict[str, str]] = []
         self._seq: Sequence_ | None = None
+        # Stream length that ends with the last reply as it was generated (and shown): the
+        # ids the next turn continues from; None when the history is to be templated.
+        self._reply_end: int | None = None
         self._busy = asyncio.Lock()  # one turn (or save, fork) of this conversation at a time
         self.last_stats: GenerationStats | None = None
         self.reset(system)
@@ -69,6 +75,7 @@ class Conversation:
             self.system = system
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self._seq = None
+        self._reply_end = None
 
     def template(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
@@ -78,6 +85,37 @@ class Conversation:
             raise SmoeError(f"{self.engine.vault.path} has no chat template: use generate")
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+
+    def _prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt for ``messages`` (the history plus a new user message)."""
+        follow = self._follow_up(messages)
+        return follow if follow is not None else self.template(messages)
+
+    def _follow_up(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """The stream up to the last reply's generated ids, then the template's text after
+        that reply, tokenized; None where that would not be what the template says."""
+        if self._seq is None or self._reply_end is None or len(messages) < 2:
+            return None
+        history = messages[:-1]
+        if history != self.messages or history[-1].get("role") != "assistant":
+            return None
+        tok = self.engine.tokenizer
+        mark = "\ue000smoe-reply\ue001"  # private-use characters: no template writes them
+        marked = [*history[:-1], {"role": "assistant", "content": mark}, messages[-1]]
+        text = tok.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        before = tok.apply_chat_template(history[:-1], add_generation_prompt=True, tokenize=False)
+        if not isinstance(text, str) or text.count(mark) != 1:
+            return None
+        head, tail = text.split(mark)
+        if head != before:  # past turns render otherwise once a reply follows
+            return None
+        stream = self._seq.tokens[: self._reply_end]
+        eos = set(getattr(tok, "eos_token_ids", None) or [])
+        if stream and stream[-1] in eos:  # the reply ended with the turn's end: not twice
+            end = tok.decode([stream[-1]])
+            if end and tail.startswith(end):
+                tail = tail[len(end) :]
+        return [*stream, *(int(t) for t in tok.encode(tail, add_special_tokens=False))]
 
     def _prepare(self, prompt: list[int], params: SamplingParams) -> Sequence_:
         """Compute thread: point the cached stream at ``prompt`` (reusing the common
@@ -107,28 +145,40 @@ class Conversation:
         params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
         params.check()
         messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = self.template(messages)
+        prompt = self._prompt(messages)
         self._check_context(prompt, max_tokens)
         # The reply is recorded as it streams, so the history is right at every moment,
         # also when the consumer stops iterating (a cancelled reply stays, partial).
         answer = {"role": "assistant", "content": ""}
         self.messages = [*messages, answer]
+        self._reply_end = None  # until the reply's ids are known
         engine = self.engine
+        shown, stopped = 0, False  # tokens handed out; whether the reply ended with EOS
         async with self._busy:
             stream = engine._stream(
                 lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
             )
-            async for event in stream:
-                if event.text:
-                    answer["content"] += event.text
-                if event.stats is not None:
-                    self.last_stats = event.stats
-                yield event
+            try:
+                async for event in stream:
+                    if event.token is not None:
+                        shown += 1
+                    if event.text:
+                        answer["content"] += event.text
+                    if event.finish_reason == "stop":
+                        stopped = True  # its EOS id is in the stream, never shown
+                    if event.stats is not None:
+                        self.last_stats = event.stats
+                    yield event
+            finally:
+                # A cancelled turn's last step may have run past what was shown: the next
+                # turn continues from what the user saw.
+                if self._seq is not None and self._seq.tokens[: len(prompt)] == prompt:
+                    self._reply_end = len(prompt) + shown + stopped
 
     async def next_logits(self, text: str) -> np.ndarray:
         """Logits [vocab] of the reply's first token to ``text``, without sampling or
         changing ``messages`` (the prompt's keys stay cached for a later ``send``)."""
-        prompt = self.template([*self.messages, {"role": "user", "content": text}])
+        prompt = self._prompt([*self.messages, {"role": "user", "content": text}])
         self._check_context(prompt, 1)
 
         def run() -> np.ndarray:
@@ -156,6 +206,7 @@ class Conversation:
         async with self._busy:
             other = Conversation(self.engine, self.system)
             other.messages = [dict(m) for m in self.messages]
+            other._reply_end = self._reply_end
             if self._seq is not None:
                 seq = self._seq
                 async with self.engine._lock:
@@ -192,6 +243,7 @@ class Conversation:
                 self.engine.runner.settle(seq)  # a pass built ahead is not part of the turn
             meta["tokens"] = json.dumps(seq.tokens if seq is not None else [])
             meta["cached"] = str(seq.cached if seq is not None else 0)
+            meta["reply_end"] = json.dumps(self._reply_end)
             cache = seq.cache if seq is not None else self.engine.runner.new_cache()
             try:
                 save_prompt_cache(str(tmp), cache, meta)
@@ -242,4 +294,7 @@ class Conversation:
         conv._seq = Sequence_(
             cache=cache, tokens=json.loads(meta["tokens"]), cached=int(meta["cached"])
         )
+        end = json.loads(meta.get("reply_end", "null"))  # absent in files saved before it
+        if type(end) is int and 0 < end <= len(conv._seq.tokens):
+            conv._reply_end = end
         return conv

@@ -173,3 +173,37 @@ async def test_repl_two_turns_a_cancel_and_reset(vault):
     assert "prefilled" in text  # /stats
     assert pressed[0] == ["first question", "second\nline two", "third, to be cancelled"]
     assert app.conv.messages == []  # /reset emptied the history
+
+
+async def test_a_follow_up_continues_from_the_generated_ids_not_the_reply_text(vault, tmp_path):
+    """The follow-up's prompt is the stream (the ids the model generated) and the template's
+    text after the reply: the reply is never tokenized again, so a tokenizer that would give
+    other ids for its text (here: a template that must not be asked) changes nothing, and
+    only the new turn is prefilled."""
+    async with Engine.open(vault.path) as engine:
+        conv = engine.conversation(system="You are terse.")
+        await reply(conv, "Tell me about the sea.", max_tokens=12)
+        stream = conv.tokens
+        tok = engine.tokenizer
+        marked = [*conv.messages[:-1], {"role": "assistant", "content": "\ue000"}]
+        marked.append({"role": "user", "content": "More."})
+        text = tok.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        tail = text.split("\ue000")[1]
+        if stream[-1] in tok.eos_token_ids:  # the reply's own end of turn is in the stream
+            tail = tail.removeprefix(tok.decode([stream[-1]]))
+        new_turn = tok.encode(tail, add_special_tokens=False)
+
+        def no_templating(messages):
+            raise AssertionError("the follow-up re-tokenized the history")
+
+        twin = await conv.fork()  # the same history, to check the logits on
+        conv.template = twin.template = no_templating
+        expected = np.asarray(await engine.logits([*stream, *new_turn]))[-1]
+        assert np.array_equal(await twin.next_logits("More."), expected)
+        _, s2 = await reply(conv, "More.", max_tokens=2)
+        # the reply's last id (sampled, never run) and the new turn but its last token
+        assert s2.prefilled_tokens == len(new_turn)
+        loaded = await engine.load_conversation(await twin.save(tmp_path / "chat"))
+        loaded.template = no_templating  # a loaded chat continues from the same ids
+        assert np.array_equal(await loaded.next_logits("More."), expected)
+        assert conv.tokens[: len(stream) + len(new_turn)] == [*stream, *new_turn]
