@@ -306,16 +306,21 @@ async def _chat(args: argparse.Namespace) -> int:
 
     from smoe.chat.demo import demo_vault
     from smoe.chat.repl import ChatApp, history_file
+    from smoe.chat.sampling import suggested_sampling
     from smoe.engine import Engine
 
     start = time.perf_counter()
     vault = args.vault
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
+    suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
+    temperature = suggested["temperature"] if args.temp is None else args.temp
+    top_p = suggested["top_p"] if args.top_p is None else args.top_p
     async with Engine.open(vault, **_engine_options(args)) as engine:
         print(
             f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
-            f"{_dtype_note(engine)}",
+            f"{_dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
+            f"{top_p:g}" + (" (the model's suggestion)" if args.temp is None else ""),
             file=sys.stderr,
         )
         app = ChatApp(
@@ -324,8 +329,8 @@ async def _chat(args: argparse.Namespace) -> int:
             history=history_file(),
             sampling={
                 "max_tokens": args.max_tokens,
-                "temperature": args.temp,
-                "top_p": args.top_p,
+                "temperature": temperature,
+                "top_p": top_p,
                 "seed": args.seed,
             },
         )
@@ -687,8 +692,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ch.add_argument("--system", default=None, help="system prompt")
     ch.add_argument("--max-tokens", type=int, default=256)
-    ch.add_argument("--temp", type=float, default=0.0)
-    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument(
+        "--temp", type=float, default=None, help="temperature (default: the model's suggestion)"
+    )
+    ch.add_argument("--top-p", type=float, default=None, help="(default: the model's suggestion)")
     ch.add_argument("--seed", type=int, default=None)
     _memory_option(ch)
     ch.set_defaults(func=cmd_chat)
