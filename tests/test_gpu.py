@@ -20,6 +20,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from smoe.bench.resident import fill_ring
+from smoe.chat.demo import DEMO_SOURCE
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
@@ -34,7 +35,9 @@ ENGINE = {"ring": "staged", "dtype": "bfloat16"}  # what a CUDA GPU gets by defa
 
 CHUNK = 64
 STEPS = 64
-ARCHS = ["qwen3_moe", "qwen2_moe"]  # qwen2_moe: a shared expert beside the routed ones
+# qwen2_moe: a shared expert beside the routed ones; kjv_demo: the trained built-in demo,
+# whose routing was learned (smoe/chat/demo_model).
+ARCHS = ["qwen3_moe", "qwen2_moe", "kjv_demo"]
 
 
 def report(entry: dict) -> None:
@@ -54,7 +57,10 @@ def models(tmp_path_factory):
     def get(arch: str, bits: int):
         if (arch, bits) not in cache:
             root = tmp_path_factory.mktemp(f"gpu-{arch}-{bits}")
-            src = synthesize(root / "hf", arch=arch, preset="demo", seed=1)
+            if arch == "kjv_demo":
+                src = DEMO_SOURCE
+            else:
+                src = synthesize(root / "hf", arch=arch, preset="demo", seed=1)
             vault = convert(src, root / "v", ConvertOptions(bits=bits))
             model, _ = load_model(export_mlx(vault, root / "mlx"))
             cast = [
