@@ -1,14 +1,20 @@
 """Second-turn time to first token after a short and a long first turn.
 
-    python bench/chat_ttft.py [VAULT] [--first 100,1000] [--reply 16]
+    python bench/chat_ttft.py [VAULT] [--first 100,1000] [--reply 16] [--reference]
 
 A follow-up turn prefills only what is new (the conversation keeps its KV cache), so its
-wait should not depend on how long the first turn was. Prints JSON.
+wait should not depend on how long the first turn was, except for attention over the
+longer cache. ``--reference`` measures that part alone: mlx-lm in memory (the vault
+exported) runs a chunk of the follow-up's size after each first turn's cached length
+(median of 5). Prints JSON.
 """
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import smoe.aio
 from smoe.engine import Engine
@@ -70,12 +76,43 @@ async def turn_ttft(vault: str, first_tokens: int, reply: int, memory: str | Non
         }
 
 
+def reference_chunk_s(vault: str, cached: list[int], chunk: int) -> list[float]:
+    """mlx-lm in memory: seconds for a ``chunk``-token forward pass after each cached
+    length (median of 5, float32 as the engine computes on a CPU)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from smoe.vault.export import export_mlx
+    from smoe.vault.format import Vault
+
+    with tempfile.TemporaryDirectory() as out:
+        model, _ = load_model(export_mlx(Vault.open(vault), Path(out) / "mlx"))
+    model.set_dtype(mx.float32)
+    result = []
+    for n in cached:
+        times = []
+        for _ in range(5):
+            cache = make_prompt_cache(model)
+            ids = mx.array([[10 + i % 4000 for i in range(n)]])
+            for start in range(0, n, 64):
+                model(ids[:, start : start + 64], cache=cache)
+                mx.eval([c.state for c in cache])
+            x = mx.array([[100 + i for i in range(chunk)]])
+            t = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - t)
+        result.append(round(statistics.median(times), 4))
+    return result
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("vault", nargs="?", default=None)
     p.add_argument("--first", default="100,1000")
     p.add_argument("--reply", type=int, default=16)
     p.add_argument("--memory", default=None)
+    p.add_argument("--reference", action="store_true", help="also time mlx-lm in memory")
     args = p.parse_args()
     vault = args.vault
     if vault is None:
@@ -84,18 +121,19 @@ async def main() -> None:
         vault = str(demo_vault())
     runs = [await turn_ttft(vault, int(n), args.reply, args.memory) for n in args.first.split(",")]
     a, b = runs[0]["second_turn_ttft_s"], runs[-1]["second_turn_ttft_s"]
-    print(
-        json.dumps(
-            {
-                "benchmark": "chat_ttft",
-                "vault": vault,
-                "memory": args.memory,
-                "runs": runs,
-                "second_turn_ttft_ratio_long_over_short": round(b / a, 3),
-            },
-            indent=1,
-        )
-    )
+    report = {
+        "benchmark": "chat_ttft",
+        "vault": vault,
+        "memory": args.memory,
+        "runs": runs,
+        "second_turn_ttft_ratio_long_over_short": round(b / a, 3),
+    }
+    if args.reference:
+        cached = [r["second_turn_prompt_tokens"] - r["second_turn_prefilled_tokens"] for r in runs]
+        ref = reference_chunk_s(vault, cached, runs[0]["second_turn_prefilled_tokens"])
+        report["mlx_lm_in_memory_chunk_s"] = dict(zip(map(str, cached), ref, strict=True))
+        report["mlx_lm_ratio_long_over_short"] = round(ref[-1] / ref[0], 3)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
