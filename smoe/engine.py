@@ -32,6 +32,7 @@ from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.ring_plan import current_device, plan_ring
+from smoe.sched.hints import default_hint_depth, split_policy_name
 from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
@@ -85,7 +86,9 @@ class EngineOptions:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
-    policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md
+    policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md; a "+hint"
+    # suffix (lru+hint, lfu+hint, lru-layer+hint) feeds it the router's near misses
+    hint_depth: int | None = None  # +hint: gate ranks top_k..hint_depth-1 (None: 4 x top_k)
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
@@ -153,11 +156,14 @@ class Engine:
             )
             self.popularity = Popularity(self.vault)
             self.tracer.popularity = self.popularity
-            policy: Any = o.policy
-            if o.policy == "hot":  # pin the historically hottest half of the ring
+            base, hinted = split_policy_name(o.policy)
+            policy: Any = base
+            if base == "hot":  # pin the historically hottest half of the ring
                 policy = PinnedHot.from_counts(
                     self.popularity.as_mapping(), self.ring.num_slots // 2
                 )
+            if not hinted and o.hint_depth is not None:
+                raise SmoeError(f"hint_depth needs a '+hint' policy, not '{o.policy}'")
             self.scheduler = ExpertScheduler(
                 self.ring.num_slots,
                 self.reader,
@@ -173,6 +179,19 @@ class Engine:
                 else None,
             )
             loop = asyncio.get_running_loop()
+            if hinted:
+                if not self.scheduler.takes_hints:
+                    raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
+                k = int(m.topology["experts_per_token"])
+                depth = o.hint_depth or 0
+                if o.hint_depth is None:
+                    depth = default_hint_depth(k, m.num_experts)
+                if not k < depth <= m.num_experts:
+                    raise SmoeError(f"hint_depth must lie in {k + 1}..{m.num_experts}")
+                self.tracer.hint_depth = depth
+                self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
+                    self.scheduler.hint, layer, experts
+                )
             every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
             self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
             self._commit_queued = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from smoe.bench.policy import bench_policy, format_table
@@ -278,3 +279,165 @@ def test_plots_name_the_extra_when_matplotlib_is_missing(monkeypatch, tmp_path) 
 def test_unused_policy_classes_are_constructible() -> None:
     for cls in (LRU, LRUPerLayer, LFU, SLRU, ARC, PinnedHot):
         assert cls().name in POLICIES
+
+
+# ----------------------------------------------------------------- hints and prefetch
+
+
+def _foresight_stream(seed: int, n: int = 250) -> KeyStream:
+    """random_stream's requests with random hints (same layer) and prefetch lists."""
+    rng = random.Random(seed)
+    reqs = random_stream(seed, n=n)
+    hints = [[(layer, e) for e in rng.sample(range(12), rng.randint(0, 5))] for layer, _ in reqs]
+    pre = [[(rng.randrange(3), e) for e in rng.sample(range(12), rng.randint(0, 4))] for _ in reqs]
+    return KeyStream.from_requests(reqs).with_foresight(hints, pre)
+
+
+HINTABLE = sorted(n for n in POLICIES if hasattr(make_policy(n), "on_hint"))
+
+
+def test_hintable_policies() -> None:
+    assert HINTABLE == ["lfu", "lru", "lru-layer"]
+
+
+@pytest.mark.parametrize(
+    ("name", "hints", "prefetch"),
+    [(n, True, False) for n in HINTABLE]
+    + [(n, False, True) for n in sorted(POLICIES)]
+    + [(n, True, True) for n in HINTABLE],
+)
+def test_replay_with_foresight_matches_the_real_scheduler(
+    name: str, hints: bool, prefetch: bool
+) -> None:
+    """Hints (ExpertScheduler.hint) and prefetches (ExpertScheduler.prefetch, reads done
+    before the next request): the simulator and the scheduler agree on every count."""
+    stream = _foresight_stream(5)
+    for slots in (4, 10, 24):
+        sim = replay(stream, slots, name, record_bytes=3, hints=hints, prefetch=prefetch)
+        real = replay_scheduler(stream, slots, name, record_bytes=3, hints=hints, prefetch=prefetch)
+        got = (sim.hits, sim.misses, sim.spec_reads, sim.spec_used)
+        assert got == (real.hits, real.misses, real.spec_reads, real.spec_used), (name, slots)
+        assert sim.policy == real.policy
+        assert sim.bytes == 3 * sim.reads == 3 * (sim.misses + sim.spec_reads)
+        if prefetch:
+            assert sim.spec_reads > 0
+
+
+def test_hints_change_the_victim_in_replay() -> None:
+    # ring 3: 1, 2, 3, then 4 evicts 1 -- unless 1 was hinted after the request for 3.
+    stream = KeyStream([[(0, 1)], [(0, 2)], [(0, 3)], [(0, 4)], [(0, 1)]])
+    hinted = stream.with_foresight([[], [], [(0, 1)], [], []])
+    assert replay(stream, 3, "lru").misses == 5
+    assert replay(hinted, 3, "lru", hints=True).misses == 4
+    with pytest.raises(ValueError, match="hints need"):
+        replay(stream, 3, "lru", hints=True)
+    with pytest.raises(ValueError, match="hints need"):
+        replay(hinted, 3, "arc", hints=True)
+
+
+def test_prefetch_semantics() -> None:
+    # ring 2. After {1}: prefetch 2 and 3 -- 2 takes the free slot, 3 evicts 1 (2 is
+    # loading, not a candidate). {2} hits a bet; {1} misses; 3 was never used.
+    stream = KeyStream([[(0, 1)], [(0, 2)], [(0, 1)]], prefetch=[[(0, 2), (0, 3)], [], []])
+    got = replay(stream, 2, "lru", prefetch=True, record_bytes=10)
+    assert (got.hits, got.misses, got.spec_reads, got.spec_used) == (1, 2, 2, 1)
+    assert (got.reads, got.bytes, got.policy) == (4, 40, "lru+prefetch")
+    # a ring of one: the bet cannot evict anything but what it loads itself
+    one = KeyStream([[(0, 1)], [(0, 2)]], prefetch=[[(0, 2), (0, 3)], []])
+    got = replay(one, 1, "lru", prefetch=True)
+    assert (got.hits, got.misses, got.spec_reads) == (1, 1, 1)
+    assert replay_scheduler(one, 1, "lru", prefetch=True).spec_reads == 1
+
+
+def _archive(ahead: bool = True):
+    """2 layers, 8 experts top-2, depth 6: a 2-token prefill chunk, then 3 decode steps."""
+    from smoe.telemetry.archive import DECODE, NO_EXPERT, PREFILL, RoutingArchive
+
+    rng = np.random.default_rng(0)
+    ranks = np.stack([np.stack([rng.permutation(8)[:6] for _ in range(2)]) for _ in range(5)])
+    look = np.full_like(ranks, NO_EXPERT)
+    look[:, 1] = np.roll(ranks[:, 1], 1, axis=-1)  # layer 1 as "predicted" from layer 0
+    return RoutingArchive(
+        8,
+        2,
+        [3, 4],
+        ranks.astype(np.uint16),
+        np.array([0, 0, 1, 2, 3], np.int32),
+        np.array([PREFILL, PREFILL, DECODE, DECODE, DECODE], np.uint8),
+        {"record_bytes": 5},
+        ahead=look.astype(np.uint16) if ahead else None,
+    )
+
+
+def test_foresight_lists_from_an_archive() -> None:
+    from smoe.bench.policy import foresight_from_archive
+
+    arch = _archive()
+    stream, spec = foresight_from_archive(arch, hint_depth=5, lookahead=True, echo=2)
+    assert len(stream.batches) == 8 and stream.hints is not None
+    r, a = arch.ranks.astype(int), arch.ahead.astype(int)
+    # prefill chunk (tokens 0-1): no prefetch; hints: unused experts of ranks 2..4
+    assert spec["echo"][:2] == [[], []] and spec["lookahead"][:2] == [[], []]
+    used = set(r[0:2, 0, :2].ravel())
+    assert stream.hints[0] == [(0, e) for e in sorted(set(r[0:2, 0, 2:5].ravel()) - used)]
+    # decode step of token 2: echo = its ranks 2..3 at each layer, in rank order;
+    # lookahead after layer 0 = the recorded top-2 for layer 1, ascending; none after layer 1
+    assert spec["echo"][2] == [(0, r[2, 0, 2]), (0, r[2, 0, 3])]
+    assert spec["echo"][3] == [(1, r[2, 1, 2]), (1, r[2, 1, 3])]
+    assert spec["lookahead"][2] == [(1, e) for e in sorted(a[2, 1, :2])]
+    assert spec["lookahead"][3] == []
+    # teacher-forced text, one token per batch: prefill steps count as decode on request
+    import dataclasses
+
+    single = dataclasses.replace(arch, batch=np.arange(5, dtype=np.int32))
+    _, spec = foresight_from_archive(single, lookahead=True, echo=2)
+    assert spec["lookahead"][0] == [] and spec["echo"][0] == []
+    _, spec = foresight_from_archive(single, lookahead=True, echo=2, prefill_as_decode=True)
+    assert spec["lookahead"][0] == [(1, e) for e in sorted(a[0, 1, :2])]
+    assert spec["echo"][0] == [(0, r[0, 0, 2]), (0, r[0, 0, 3])]
+    # an archive without the lookahead record (older archives): no lookahead lists
+    _, spec = foresight_from_archive(_archive(ahead=False), lookahead=True, echo=0)
+    assert spec == {}
+
+
+def test_bench_policy_foresight_lines() -> None:
+    arch = _archive()
+    report = bench_policy(
+        arch, (0.5, 1.0), ("lru", "lfu", "arc"), hint_depth=6, lookahead=True, echo=2
+    )
+    json.dumps(report)
+    assert report["trace"]["lookahead"] == "recorded" and report["trace"]["echo"] == 2
+    for ring in report["rings"]:
+        assert {"lru+hint", "lfu+hint"} <= set(ring["policies"])
+        assert set(ring["foresight"]) == {
+            f"{p}+{kind}"
+            for p in ("lru", "lfu")
+            for kind in ("lookahead", "echo", "hint+lookahead")
+        }
+        for name, line in ring["foresight"].items():
+            assert line["policy"] == name
+            assert line["reads"] == line["misses"] + line["spec_reads"]
+            assert line["bytes"] == 5 * line["reads"]
+            best = ring["belady"]["misses"]
+            assert line["reads_vs_belady"] == round(line["reads"] / best, 4)
+            plain = ring["policies"][name.split("+")[0]]["misses"]
+            assert line["vs_policy"] == round(line["misses"] / plain, 4)
+    table = format_table(report)
+    assert "prefetch line" in table and "lru+hint+lookahead" in table
+    old = bench_policy(_archive(ahead=False), (0.5,), ("lru",), lookahead=True)
+    assert "not in this archive" in old["trace"]["lookahead"]
+    assert "foresight" not in old["rings"][0]
+
+
+def test_bench_policy_cli_foresight(tmp_path, capsys) -> None:
+    from smoe.bench.policy import main
+
+    path = _archive().save(tmp_path / "a.npz")
+    assert (
+        main([str(path), "--foresight", "--rings", "0.5", "--json", str(tmp_path / "r.json")]) == 0
+    )
+    report = json.loads((tmp_path / "r.json").read_text())
+    trace = report["trace"]
+    assert (trace["hint_depth"], trace["echo"], trace["lookahead"]) == (6, 2, "recorded")
+    assert "lfu+hint+lookahead" in report["rings"][0]["foresight"]
+    assert "prefetch line" in capsys.readouterr().out

@@ -387,6 +387,66 @@ async def test_lru_evicts_the_least_recently_used():
     assert {sched.state_of((0, e)) for e in (1, 3, 4)} == {SlotState.READY}
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru-layer"])
+async def test_a_hinted_resident_expert_survives_the_eviction_that_would_take_it(policy):
+    """Ring of 3. 9 goes at the first eviction (LFU fixes its half-life then); 1, 2, 3 are
+    used in turn and a miss for 4 evicts 1, the least recently (and as often) used, unless
+    the router ranked 1 just below the used experts of the two requests after it (hinted
+    after each, as the engine does); then 2 goes instead."""
+    victims = {}
+    for hinted in (False, True):
+        be = ControlledBackend(auto=True)
+        sched = ExpertScheduler(3, be, record_of=record_of, record_bytes=100, policy=policy)
+        assert sched.takes_hints
+        for e in (9, 1, 2, 3):
+            sched.release(await sched.acquire(0, [e]))
+            if hinted and e in (2, 3):
+                assert sched.hint(0, [1, 7]) == 1  # 7 is not in the ring: ignored
+        sched.release(await sched.acquire(0, [4]))
+        victims[hinted] = [e for e in (1, 2, 3) if sched.state_of((0, e)) is SlotState.EMPTY]
+        assert sched.stats.hints == 2 * hinted
+        assert (sched.stats.hits, sched.stats.misses) == (0, 5)  # a hint is no access
+        sched.check_invariants()
+    assert victims == {False: [1], True: [2]}
+
+
+async def test_a_hint_reads_pins_and_evicts_nothing():
+    sched, be = make(slots=4)
+    be.auto = True
+    sched.release(await sched.acquire(0, [1, 2]))
+    held = await sched.acquire(1, [5])
+    before = [(s.key, s.state, s.pins) for s in sched._slots]
+    assert sched.hint(0, [1, 2, 3, 3]) == 2  # 3 is not in the ring
+    assert sched.hint(1, [5]) == 1  # pinned by another request: still just a hint
+    assert [(s.key, s.state, s.pins) for s in sched._slots] == before
+    assert be.started_records() == [1, 2, 105] and sched.stats.hits == 0
+    sched.release(held)
+    sched.check_invariants()
+
+
+async def test_a_hint_reaches_an_expert_still_loading():
+    """A key being read (here a bet) is in the ring: it is hinted like a READY one."""
+    sched, be = make(slots=3)
+    be.auto = True
+    for e in (1, 2):
+        sched.release(await sched.acquire(0, [e]))
+    sched.prefetch(0, [3])  # not started yet: the loop has not run
+    assert sched.state_of((0, 3)) is SlotState.LOADING
+    assert sched.hint(0, [1, 3]) == 2
+    await settle()
+    sched.release(await sched.acquire(0, [4]))  # 2 is the oldest now: 1 and 3 were hinted
+    assert sched.state_of((0, 2)) is SlotState.EMPTY
+    assert {sched.state_of((0, e)) for e in (1, 3, 4)} == {SlotState.READY}
+
+
+async def test_hints_are_ignored_by_policies_without_them():
+    be = ControlledBackend(auto=True)
+    sched = ExpertScheduler(3, be, record_of=record_of, record_bytes=100, policy="arc")
+    sched.release(await sched.acquire(0, [1]))
+    assert not sched.takes_hints
+    assert sched.hint(0, [1]) == 0 and sched.stats.hints == 0
+
+
 async def test_close_waits_for_reads_in_flight():
     sched, be = make()
     task = spawn(sched.acquire(0, [1]))
@@ -404,11 +464,12 @@ async def test_close_waits_for_reads_in_flight():
 @pytest.mark.parametrize("runway", [0, 2])
 @pytest.mark.parametrize("seed", range(8))
 async def test_randomized_stress(seed, runway):
-    """Many tasks acquire, hold, and release random experts while reads complete, fail
-    or stall in random order and some tasks are cancelled. After every step the slot
+    """Many tasks acquire, hold, and release random experts (and pass random hints) while
+    reads complete, fail or stall in random order and some tasks are cancelled. After every step the slot
     table is consistent, and every slot a task holds contains the record it asked for.
     With a runway the backend queues the reads handed beyond its workers."""
     rng = random.Random(seed)
+    hint_rng = random.Random(seed + 1000)
     slots = rng.choice([4, 6, 10])
     workers = rng.choice([1, 2, 3])
     backend = QueuedBackend(workers=workers) if runway else ControlledBackend()
@@ -430,6 +491,8 @@ async def test_randomized_stress(seed, runway):
             except RingTooSmall:
                 outcomes["too_small"] += 1
                 continue
+            if hint_rng.random() < 0.3:  # the router's near misses, as the engine passes them
+                sched.hint(layer, [hint_rng.randrange(8) for _ in range(3)])
             keys = list(dict.fromkeys((layer, e) for e in experts))
             held[cid] = (keys, got)
             try:  # a client cancelled while it holds its slots still releases them

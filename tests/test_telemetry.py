@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from smoe.bench.policy import bench_policy
 from smoe.engine import Engine
 from smoe.synth import synthesize
-from smoe.telemetry.archive import DECODE, PREFILL, RoutingArchive
+from smoe.telemetry.archive import DECODE, NO_EXPERT, PREFILL, RoutingArchive
 from smoe.vault.convert import ConvertOptions, convert
 
 
@@ -63,6 +64,38 @@ async def test_decode_steps_are_their_own_batches(vault):
         archive = engine.stop_recording()
     assert archive.phase.tolist() == [PREFILL] * 3 + [DECODE] * 5
     assert archive.batch.tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.asyncio
+async def test_archive_records_the_lookahead_and_older_archives_still_load(vault, tmp_path):
+    async with Engine.open(vault.path, slots=4) as engine:
+        engine.start_recording(depth=6)
+        async for _ in engine.generate([5, 6, 7, 8], max_tokens=5, stop_at_eos=False):
+            pass
+        archive = engine.stop_recording()
+    assert archive.ahead is not None and archive.ahead.shape == archive.ranks.shape
+    assert (archive.ahead[:, 0] == NO_EXPERT).all()  # nothing predicts the first MoE layer
+    rows = archive.ahead[:, 1:].reshape(-1, 6)
+    assert all(len(set(r)) == 6 and max(r) < 8 for r in rows.tolist())  # full rankings
+    again = RoutingArchive.load(archive.save(tmp_path / "new"))
+    assert np.array_equal(again.ahead, archive.ahead)
+    # an archive written before the lookahead was recorded: exactly the old file's keys
+    old = tmp_path / "old.npz"
+    meta = {**archive.meta, "num_experts": 8, "top_k": archive.top_k, "format": "smoe-routing-1"}
+    np.savez_compressed(
+        old,
+        ranks=archive.ranks,
+        batch=archive.batch,
+        phase=archive.phase,
+        layers=np.asarray(archive.layers, np.int32),
+        meta=np.array(json.dumps(meta)),
+    )
+    loaded = RoutingArchive.load(old)
+    assert loaded.ahead is None and np.array_equal(loaded.ranks, archive.ranks)
+    report = bench_policy(loaded, (0.5,), ("lru",), hint_depth=4, lookahead=True, echo=2)
+    assert "not in this archive" in report["trace"]["lookahead"]
+    assert set(report["rings"][0]["foresight"]) == {"lru+echo", "lfu+echo"}
+    assert "lru+hint" in report["rings"][0]["policies"]
 
 
 def test_bench_decode_and_prefill_report(vault, run_cli):

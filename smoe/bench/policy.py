@@ -8,9 +8,24 @@ engine's rules (smoe.sched.replay); "vs_belady" is a policy's misses / Belady's 
 requested keys of the trace itself (hot_share x slots of them): a static pin profiled on
 the very trace it is scored on, i.e. an upper bound for a pin learned offline.
 
-Run as a module too (until the CLI is wired):
+The foresight the engine really has, as extra lines (each against Belady and the plain
+policies; docs/cache-policy.md):
+- "<policy>+hint" (--hint-depth N): eviction fed the router's near misses, the unused
+  experts of gate ranks top_k..N-1 (the engine's "+hint" policies, ExpertScheduler.hint);
+- "<policy>+lookahead" (--lookahead): after each decode request at MoE layer l, the top-k
+  of layer l+1's router run on layer l's input is prefetched (the engine's lookahead; needs
+  an archive that records it, ``RoutingArchive.ahead``);
+- "<policy>+echo" (--echo N): after each one-token decode request, its gate ranks
+  top_k..top_k+N-1 at the same layer are prefetched for the next token (gate echo, spec=N);
+- "<policy>+hint+lookahead": the hints and the lookahead together (the engine's
+  "--policy lru+hint" with lookahead on, its default).
+Prefetch lines count demand misses (what a computation waits for) and speculative reads
+apart: "vs_belady" is demand misses / Belady's, "reads_vs_belady" all reads / Belady's.
+--foresight turns on all of them (hint depth 4 x top_k, echo top_k).
+
+Also ``smoe bench policy ARGS``; run as a module too:
   python -m smoe.bench.policy --preset qwen3-235b-like --tokens 2200 --seed 1
-  python -m smoe.bench.policy /work/data/archives/run.npz --json report.json
+  python -m smoe.bench.policy /work/data/archives/run.npz --foresight --json report.json
 """
 
 from __future__ import annotations
@@ -25,12 +40,16 @@ from typing import Any
 
 import numpy as np
 
+from smoe.sched.hints import default_hint_depth, runner_ups, takes_hints
 from smoe.sched.policy import POLICIES, PinnedHot
 from smoe.sched.replay import KeyStream, ReplayResult, Request, replay, replay_belady
-from smoe.telemetry.archive import RoutingArchive
+from smoe.telemetry.archive import DECODE, NO_EXPERT, RoutingArchive
 from smoe.telemetry.locality import headline, locality
 
 DEFAULT_POLICIES = ("lru", "lru-layer", "lfu", "slru", "arc", "hot")
+FORESIGHT_POLICIES = ("lru", "lfu")  # bases of the prefetch lines
+
+Keys = list[list[tuple[int, int]]]
 
 
 def stream_from_archive(
@@ -38,42 +57,103 @@ def stream_from_archive(
 ) -> KeyStream:
     """The archive's requests (as ``archive.requests(phase)``: per batch and layer, the
     distinct experts of its tokens' top-k) with, if ``hint_depth`` > top_k, hints: the
-    distinct experts of gate ranks top_k .. hint_depth-1 that were not used."""
+    distinct experts of gate ranks top_k .. hint_depth-1 that were not used, as the engine
+    passes them (``smoe.sched.hints.runner_ups``)."""
+    stream, _ = foresight_from_archive(archive, phase, hint_depth)
+    return stream
+
+
+def foresight_from_archive(
+    archive: RoutingArchive,
+    phase: int | None = None,
+    hint_depth: int = 0,
+    *,
+    lookahead: bool = False,
+    echo: int = 0,
+    prefill_as_decode: bool = False,
+) -> tuple[KeyStream, dict[str, Keys]]:
+    """``stream_from_archive``'s stream, and per request the keys the engine would prefetch
+    right after it: "lookahead" (if asked and the archive records it): in decode batches,
+    the distinct top-k of the next MoE layer's lookahead ranking over the batch's tokens;
+    "echo" (``echo`` > 0): in one-token decode batches, gate ranks top_k..top_k+echo-1 of
+    the same layer (for the next token). Each list is aligned with the stream's requests.
+    ``prefill_as_decode``: one-token prefill batches count as decode steps too (an archive
+    of held-out text recorded teacher-forced with prefill_chunk=1)."""
     k = archive.top_k
     depth = min(hint_depth, archive.depth)
     keep = np.ones(archive.num_tokens, bool) if phase is None else archive.phase == phase
     idx = np.nonzero(keep)[0]
-    batches: list[list[tuple[int, int]]] = []
-    hints: list[list[tuple[int, int]]] | None = [] if depth > k else None
+    batches: Keys = []
+    hints: Keys | None = [] if depth > k else None
+    ahead = archive.ahead if lookahead else None
+    spec: dict[str, Keys] = {}
+    if ahead is not None:
+        spec["lookahead"] = []
+    if echo > 0:
+        spec["echo"] = []
+    layers = len(archive.layers)
     if idx.size == 0:
-        return KeyStream(batches, hints)
+        return KeyStream(batches, hints), spec
     starts = np.nonzero(np.diff(archive.batch[idx], prepend=archive.batch[idx][0] - 1))[0]
     bounds = [*starts.tolist(), idx.size]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         rows = idx[a:b]
-        for pos in range(len(archive.layers)):
+        decode = bool(archive.phase[rows[0]] == DECODE) or (prefill_as_decode and b - a == 1)
+        for pos in range(layers):
             used = np.unique(archive.ranks[rows, pos, :k]).tolist()
             batches.append([(pos, e) for e in used])
             if hints is not None:
-                deep = np.unique(archive.ranks[rows, pos, k:depth])
-                hints.append([(pos, e) for e in np.setdiff1d(deep, used).tolist()])
-    return KeyStream(batches, hints)
+                hints.append([(pos, e) for e in runner_ups(archive.ranks[rows, pos], k, depth)])
+            if "echo" in spec:
+                bets = archive.ranks[rows[0], pos, k : k + echo] if decode and b - a == 1 else []
+                spec["echo"].append([(pos, int(e)) for e in bets])
+            if ahead is not None:
+                guess = ahead[rows, pos + 1, :k] if decode and pos + 1 < layers else []
+                top = np.unique(np.asarray(guess, np.int64))
+                spec["lookahead"].append([(pos + 1, int(e)) for e in top if e != NO_EXPERT])
+    return KeyStream(batches, hints), spec
 
 
 def _stream(
-    source: RoutingArchive | KeyStream | Iterable[Request], phase: int | None, hint_depth: int
-) -> tuple[KeyStream, dict[str, Any]]:
+    source: RoutingArchive | KeyStream | Iterable[Request],
+    phase: int | None,
+    hint_depth: int,
+    lookahead: bool,
+    echo: int,
+    prefill_as_decode: bool,
+) -> tuple[KeyStream, dict[str, Keys], dict[str, Any]]:
     if isinstance(source, RoutingArchive):
-        info = {
+        info: dict[str, Any] = {
             "source": source.meta.get("source", "archive"),
             "tokens": source.num_tokens,
             "layers": len(source.layers),
             "num_experts": source.num_experts,
             "top_k": source.top_k,
+            "depth": source.depth,
         }
-        return stream_from_archive(source, phase, hint_depth), info
+        if hint_depth:
+            info["hint_depth"] = min(hint_depth, source.depth)
+        if echo:
+            info["echo"] = min(echo, source.depth - source.top_k)
+        if lookahead:
+            info["lookahead"] = (
+                "recorded"
+                if source.ahead is not None
+                else "not in this archive (record it again with this version)"
+            )
+        if prefill_as_decode:
+            info["prefill_as_decode"] = True
+        stream, spec = foresight_from_archive(
+            source,
+            phase,
+            hint_depth,
+            lookahead=lookahead,
+            echo=echo,
+            prefill_as_decode=prefill_as_decode,
+        )
+        return stream, spec, info
     stream = source if isinstance(source, KeyStream) else KeyStream.from_requests(source)
-    return stream, {"source": "requests"}
+    return stream, {}, {"source": "requests"}
 
 
 def bench_policy(
@@ -87,6 +167,10 @@ def bench_policy(
     options: dict[str, dict[str, Any]] | None = None,
     hint_depth: int = 0,
     horizons: Sequence[int] = (),
+    lookahead: bool = False,
+    echo: int = 0,
+    foresight_policies: Sequence[str] = FORESIGHT_POLICIES,
+    prefill_as_decode: bool = False,
 ) -> dict[str, Any]:
     """Replay ``source`` (an archive: its requests of ``phase``, None = all) through every
     policy and Belady at each ring size. ``record_bytes`` defaults to the archive's
@@ -96,14 +180,23 @@ def bench_policy(
     (tokens) adds Belady with that much foresight ("belady_horizon" per ring): how much
     future knowledge the optimum's advantage needs.
 
+    Prefetch lines (archives only; "foresight" per ring), for each of
+    ``foresight_policies``: "<p>+lookahead" with ``lookahead`` (if the archive records it),
+    "<p>+echo" with ``echo`` > 0 (gate ranks top_k..top_k+echo-1), and "<p>+hint+lookahead"
+    when hints and the lookahead are both there (``prefill_as_decode``: see
+    ``foresight_from_archive``). Each has "vs_belady" (demand misses /
+    Belady's), "reads_vs_belady" (demand + speculative reads / Belady's misses) and
+    "vs_policy" (demand misses / the plain policy's misses).
+
     Returns a JSON-able dict: {"trace": {...working_set, requests, ...}, "rings": [{"fraction",
-    "slots", "belady": result, "policies": {name: result + "vs_belady" + "seconds"}}]}, a
-    result being ReplayResult.to_dict() (misses, bytes, hit_rate, ...).
+    "slots", "belady": result, "policies": {name: result + "vs_belady" + "seconds"},
+    "foresight": {name: ...}}]}, a result being ReplayResult.to_dict() (misses, reads,
+    spec_reads, spec_used, bytes, hit_rate, ...).
     """
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in (*policies, *foresight_policies) if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
-    stream, info = _stream(source, phase, hint_depth)
+    stream, spec, info = _stream(source, phase, hint_depth, lookahead, echo, prefill_as_decode)
     if record_bytes is None:
         meta = source.meta if isinstance(source, RoutingArchive) else {}
         record_bytes = int(meta.get("record_bytes", 0))
@@ -135,7 +228,7 @@ def bench_policy(
             else:
                 got = replay(stream, slots, name, record_bytes=record_bytes, **opts)
             row["policies"][name] = _scored(got, best, t0)
-        hintable = [n for n in policies if n != "hot" and hasattr(POLICIES[n](), "on_hint")]
+        hintable = [n for n in policies if n != "hot" and takes_hints(POLICIES[n]())]
         for name in hintable if stream.hints is not None else []:
             t0 = time.perf_counter()
             got = replay(
@@ -147,6 +240,10 @@ def bench_policy(
                 **(options or {}).get(name, {}),
             )
             row["policies"][got.policy] = _scored(got, best, t0)
+        if spec:
+            row["foresight"] = _foresight(
+                stream, spec, slots, best, foresight_policies, record_bytes, options or {}
+            )
         if horizons:
             per_token = max(1, int(info.get("layers", 1)))
             row["belady_horizon"] = {}
@@ -165,6 +262,46 @@ def _scored(got: ReplayResult, best: ReplayResult, t0: float) -> dict[str, Any]:
     }
 
 
+def _foresight(
+    stream: KeyStream,
+    spec: dict[str, Keys],
+    slots: int,
+    best: ReplayResult,
+    bases: Sequence[str],
+    record_bytes: int,
+    options: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The prefetch lines of one ring (see ``bench_policy``)."""
+    lines: list[tuple[str, str, Keys, bool]] = []  # (line, base, prefetch lists, hints)
+    for base in bases:
+        for kind in ("lookahead", "echo"):
+            if kind in spec:
+                lines.append((f"{base}+{kind}", base, spec[kind], False))
+        if "lookahead" in spec and stream.hints is not None and takes_hints(POLICIES[base]()):
+            lines.append((f"{base}+hint+lookahead", base, spec["lookahead"], True))
+    out: dict[str, Any] = {}
+    plain: dict[str, int] = {}
+    for line, base, lists, hinted in lines:
+        opts = options.get(base, {})
+        if base not in plain:
+            plain[base] = replay(stream, slots, base, **opts).misses
+        t0 = time.perf_counter()
+        got = replay(
+            stream.with_foresight(stream.hints, lists),
+            slots,
+            base,
+            record_bytes=record_bytes,
+            hints=hinted,
+            prefetch=True,
+            **opts,
+        )
+        scored = _scored(got, best, t0) | {"policy": line}
+        scored["reads_vs_belady"] = round(got.reads / best.misses, 4) if best.misses else None
+        scored["vs_policy"] = round(got.misses / plain[base], 4) if plain[base] else None
+        out[line] = scored
+    return out
+
+
 def bench_locality(archive: RoutingArchive, **kwargs: Any) -> dict[str, Any]:
     """Locality statistics (smoe.telemetry.locality.locality) plus the headline figures."""
     report = locality(archive, **kwargs)
@@ -174,7 +311,8 @@ def bench_locality(archive: RoutingArchive, **kwargs: Any) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """Markdown: one row per ring size; per policy, misses and misses / Belady's."""
+    """Markdown: one row per ring size; per policy, misses and misses / Belady's. Then, if
+    present, Belady with limited foresight, and the prefetch lines (one row each)."""
     rings = report["rings"]
     names = list(rings[0]["policies"]) if rings else []
     head = ["ring", "slots", "Belady misses (hit)"] + [f"{n} (x Belady)" for n in names]
@@ -200,6 +338,24 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{r['belady_horizon'][h]['misses']:,} ({r['belady_horizon'][h]['vs_belady']:.3f})"
                 for h in horizons
             ]
+            lines.append("| " + " | ".join(cells) + " |")
+    foresight = list(rings[0].get("foresight", {})) if rings else []
+    if foresight:  # prefetch lines: demand misses, then every read (speculative included)
+        head = ["prefetch line"] + [
+            f"{r['fraction']:.0%} ring: misses (x Belady) / reads (x Belady)" for r in rings
+        ]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for n in foresight:
+            cells = [n]
+            for r in rings:
+                p = r["foresight"][n]
+                if p["vs_belady"] is None:
+                    cells.append(f"{p['misses']:,} / {p['reads']:,}")
+                else:
+                    cells.append(
+                        f"{p['misses']:,} ({p['vs_belady']:.3f}) / "
+                        f"{p['reads']:,} ({p['reads_vs_belady']:.3f})"
+                    )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -233,6 +389,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="also replay hint-taking policies fed gate ranks top_k..N-1",
     )
+    ap.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="prefetch lines: the next MoE layer's router on this layer's input (decode; "
+        "needs an archive that records it)",
+    )
+    ap.add_argument(
+        "--echo",
+        type=int,
+        default=0,
+        help="prefetch lines: gate ranks top_k..top_k+N-1 for the next token (decode)",
+    )
+    ap.add_argument(
+        "--foresight",
+        action="store_true",
+        help="all of the engine's foresight: --lookahead, --echo top_k and --hint-depth "
+        "4 x top_k (where not given)",
+    )
+    ap.add_argument(
+        "--prefill-as-decode",
+        action="store_true",
+        help="prefetch in one-token prefill batches too (an archive of held-out text "
+        "recorded with --prefill-chunk 1)",
+    )
+    ap.add_argument(
+        "--foresight-policies",
+        default=",".join(FORESIGHT_POLICIES),
+        help="policies the prefetch lines run on",
+    )
     ap.add_argument("--horizons", default="", help="Belady foresight in tokens, e.g. 1,8,64")
     ap.add_argument("--json", help="write the full report here")
     ap.add_argument("--plot", help="write a hit-rate plot (PNG) here")
@@ -251,6 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         archive = RoutingArchive.load(args.archive)
     phase = {"all": None, "prefill": 0, "decode": 1}[args.phase]
+    if args.foresight:
+        args.lookahead = True
+        args.echo = args.echo or archive.top_k
+        args.hint_depth = args.hint_depth or default_hint_depth(archive.top_k, archive.num_experts)
     report = bench_policy(
         archive,
         [float(x) for x in args.rings.split(",")],
@@ -260,9 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         hot_share=args.hot_share,
         hint_depth=args.hint_depth,
         horizons=[int(x) for x in args.horizons.split(",") if x],
+        lookahead=args.lookahead,
+        echo=args.echo,
+        foresight_policies=[p for p in args.foresight_policies.split(",") if p],
+        prefill_as_decode=args.prefill_as_decode,
     )
     if args.locality:
-        report["locality"] = bench_locality(archive)["headline"]
+        every = args.prefill_as_decode  # held-out text: its prompt tokens are the run
+        report["locality"] = bench_locality(archive, phase=None if every else DECODE)["headline"]
         print(json.dumps(report["locality"]))
     print(json.dumps(report["trace"]))
     print(format_table(report))

@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from smoe.sched.hints import runner_ups
+
 
 class Lease(Protocol):
     """Pinned slots of one request. Whoever reserved it releases it exactly once, with
@@ -111,10 +113,18 @@ class Tracer:
     # Routing of layers served from resident tables, counted after the pass (no sync).
     deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
     num_experts: int = 0  # routed experts per MoE layer (set by build_model)
+    # Router hints (smoe.sched.hints): after each streamed MoE call, hint(layer, experts)
+    # gets the experts of gate ranks top_k .. hint_depth-1 that no token of it used.
+    hint: Callable[[int, list[int]], None] | None = None
+    hint_depth: int = 0
 
     @property
     def lookahead_recall(self) -> float:
         return self.lookahead_hits / self.lookahead_total if self.lookahead_total else 0.0
+
+    def wants_gates(self) -> bool:
+        """Whether router logits are kept for the host (archives, gate echo, hints)."""
+        return self.recorder is not None or bool(self.spec) or self.hint is not None
 
     def needs_routing_now(self) -> bool:
         """Whether a layer's routing must reach the host during the pass (archives,
@@ -183,7 +193,7 @@ class RouterTap(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         out = self.router(x)
         # Some routers (DeepSeek's MoEGate) return (indices, scores), not logits.
-        if isinstance(out, mx.array) and (self._tracer.recorder is not None or self._tracer.spec):
+        if isinstance(out, mx.array) and self._tracer.wants_gates():
             self._tracer.gates[self._layer] = out
         return out
 
@@ -244,10 +254,12 @@ class StreamingExperts(nn.Module):
             # mlx-lm's call is the same one it makes in memory.
             if tracer is not None:
                 tracer.deferred.append((self.layer, indices, self._source))
+                tracer.gates.pop(self.layer, None)  # kept for hints: none needed here
             bank, table = resident
             return self._inners[bank](x, table[indices])
         idx = np.array(indices)  # evaluates the routing from the true hidden state
         bets = None
+        hints: list[int] = []
         if tracer is not None:
             flat = idx.reshape(-1, idx.shape[-1])
             if tracer.popularity is not None:
@@ -258,11 +270,18 @@ class StreamingExperts(nn.Module):
             g = None
             if gates is not None:
                 g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
+            record = tracer.recorder.depth if tracer.recorder is not None else 0
+            hint = tracer.hint_depth if tracer.hint is not None else 0
+            ranking = None
+            if g is not None and max(record, hint) > 0:
+                ranking = gate_ranking(g, flat, max(record, hint))
             if tracer.recorder is not None:
                 if self.layer == tracer.first_layer:
                     tracer.recorder.begin(flat.shape[0], tracer.phase)
-                if g is not None:
-                    tracer.recorder.record(self.layer, gate_ranking(g, flat, tracer.recorder.depth))
+                if ranking is not None:
+                    tracer.recorder.record(self.layer, ranking[:, :record])
+            if ranking is not None and hint:
+                hints = runner_ups(ranking, flat.shape[-1], hint)
             if tracer.spec and tracer.phase == 1 and g is not None and flat.shape[0] == 1:
                 bets = (g, flat)  # placed after this layer's own demand has been served
         experts = np.unique(idx).tolist()
@@ -274,10 +293,14 @@ class StreamingExperts(nn.Module):
             waves = 1
         else:
             y, waves = self._run_in_waves(x, idx, experts, capacity)
+        if hints and tracer is not None and tracer.hint is not None:
+            tracer.hint(self.layer, hints)  # after this request, before the next one
         if bets is not None:
             self._bet_on_next_token(*bets, tracer.spec)
-        if tracer is not None and tracer.lookahead and tracer.phase == 1:
-            self._look_ahead(x, idx)
+        if tracer is not None:
+            looking = tracer.lookahead and tracer.phase == 1
+            if looking or tracer.recorder is not None:
+                self._look_ahead(x, idx, prefetch=looking)
         if self._tracer is not None:
             self._tracer.calls.append(
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
@@ -294,10 +317,12 @@ class StreamingExperts(nn.Module):
         finally:
             self._source.release(slots)
 
-    def _look_ahead(self, x: mx.array, idx: np.ndarray) -> None:
+    def _look_ahead(self, x: mx.array, idx: np.ndarray, prefetch: bool = True) -> None:
         """Score this token's experts against the prediction made one layer earlier, then
         run the next MoE layer's router on this layer's input and queue its top-k as
-        speculative reads (an approximation: the next layer's true input is not known)."""
+        speculative reads (an approximation: the next layer's true input is not known).
+        A routing archive being recorded gets that ranking (``record_ahead``), also when
+        nothing is prefetched (``prefetch`` False: prefill, or lookahead off)."""
         tracer = self._tracer
         k = idx.shape[-1]
         guess = tracer.predicted.pop(self.layer, None)
@@ -310,12 +335,17 @@ class StreamingExperts(nn.Module):
             return
         out = tracer.routers[nxt](x)
         if isinstance(out, tuple):  # a router that selects itself: (indices, scores)
-            chosen = np.array(out[0]).reshape(-1, k)  # [B, k]
+            ranked = np.array(out[0]).reshape(-1, k)  # [B, k], its own order
         else:
             logits = np.array(out.astype(mx.float32))
             logits = logits.reshape(-1, logits.shape[-1])  # [B, E]
-            chosen = np.argpartition(-logits, k, axis=-1)[:, :k]  # [B, k]
-        top = np.unique(chosen).tolist()  # a batched step: the union of the rows' guesses
+            depth = max(k, tracer.recorder.depth if tracer.recorder is not None else k)
+            ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]  # [B, depth]
+        if tracer.recorder is not None:
+            tracer.recorder.record_ahead(nxt, ranked)
+        if not prefetch:
+            return
+        top = np.unique(ranked[:, :k]).tolist()  # a batched step: the union of the rows' guesses
         tracer.predicted[nxt] = set(top)
         self._source.prefetch(nxt, top)
 

@@ -48,8 +48,10 @@ class EvictionPolicy(Protocol):
 
 
 class HintablePolicy(EvictionPolicy, Protocol):
-    """A policy that also takes the router's near misses as a hint (an extension: the
-    scheduler does not call it yet; ``smoe.sched.replay`` does with ``hints=True``)."""
+    """A policy that also takes the router's near misses as a hint: ``ExpertScheduler.hint``
+    calls it for the resident ones after a request (the engine does with a "+hint" policy,
+    ``smoe.sched.hints``), and ``smoe.sched.replay`` with ``hints=True``. LRU, LRUPerLayer
+    and LFU implement it."""
 
     def on_hint(self, key: Key) -> None:
         """Resident ``key`` ranked just below the used experts of the current request: it
@@ -131,6 +133,9 @@ class LRUPerLayer:
         order = self._by_layer.get(key[0])
         if order is not None:
             order.pop(key, None)
+
+    def on_hint(self, key: Key) -> None:
+        self.on_access(key)  # refresh as if used now
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         allowed = _as_set(candidates)

@@ -11,6 +11,17 @@ Policies see the same calls in the same order as in the scheduler (see
 ``smoe.sched.policy``), so ``replay(..., "lru")`` equals the real scheduler's misses
 (``replay_scheduler`` checks that on small streams).
 
+Two kinds of foresight the engine has can be replayed with a stream that carries them:
+- ``hints=True``: after request i, its hint keys that are resident go to the policy's
+  ``on_hint`` (``ExpertScheduler.hint``; the router's runners-up, ``smoe.sched.hints``);
+- ``prefetch=True``: after request i (and its hints), its prefetch keys that are not
+  resident are loaded speculatively, as ``ExpertScheduler.prefetch`` does (lookahead, gate
+  echo): an EMPTY slot, else the policy's victim among resident keys not loaded by this
+  same prefetch, else the rest of the list is dropped. Reads are instant, so a prefetched
+  key is resident when the next request comes. ``misses`` then counts demand misses (the
+  reads a computation waits for) and ``spec_reads`` the speculative ones; ``bytes`` counts
+  both.
+
 ``replay_belady`` is the offline optimum under the same constraints (MIN: evict the
 resident key, outside the current request, whose next use is farthest away), the bound
 any online policy is measured against.
@@ -42,15 +53,22 @@ class ReplayResult:
     slots: int
     requests: int
     hits: int
-    misses: int
-    bytes: int  # misses x record bytes
+    misses: int  # demand misses: reads a request waited for
+    bytes: int  # (misses + spec_reads) x record bytes
+    spec_reads: int = 0  # speculative reads (prefetch), 0 without
+    spec_used: int = 0  # of those, keys a later request used while still resident
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 0.0
 
+    @property
+    def reads(self) -> int:
+        """Records read in all: demand misses and speculative reads."""
+        return self.misses + self.spec_reads
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "reads": self.reads}
 
 
 class KeyStream:
@@ -60,14 +78,23 @@ class KeyStream:
     access flattened into ``ids`` (int per distinct key) with ``next_use`` = index of the
     next request holding the same key (len(batches) if none). Optional ``hints[i]``: keys
     the router ranked just below the used ones at request i (gate ranks top_k .. depth-1),
-    for policies that take hints (``replay(..., hints=True)``).
+    for policies that take hints (``replay(..., hints=True)``). Optional ``prefetch[i]``:
+    keys read speculatively right after request i (``replay(..., prefetch=True)``).
     """
 
-    def __init__(self, batches: list[list[Key]], hints: list[list[Key]] | None = None) -> None:
+    def __init__(
+        self,
+        batches: list[list[Key]],
+        hints: list[list[Key]] | None = None,
+        prefetch: list[list[Key]] | None = None,
+    ) -> None:
         if hints is not None and len(hints) != len(batches):
             raise ValueError("one hint list per request is needed")
+        if prefetch is not None and len(prefetch) != len(batches):
+            raise ValueError("one prefetch list per request is needed")
         self.batches = batches
         self.hints = hints
+        self.prefetch = prefetch
         self.keys: list[Key] = list(dict.fromkeys(k for b in batches for k in b))
         index = {k: i for i, k in enumerate(self.keys)}
         self.offsets = np.zeros(len(batches) + 1, np.int64)
@@ -85,6 +112,19 @@ class KeyStream:
                 for layer, experts in requests
             ]
         )
+
+    def with_foresight(
+        self, hints: list[list[Key]] | None = None, prefetch: list[list[Key]] | None = None
+    ) -> KeyStream:
+        """The same requests with other hints/prefetch lists (next uses are shared)."""
+        twin = KeyStream.__new__(KeyStream)
+        twin.__dict__.update(self.__dict__)
+        twin.hints, twin.prefetch = hints, prefetch
+        if hints is not None and len(hints) != len(self.batches):
+            raise ValueError("one hint list per request is needed")
+        if prefetch is not None and len(prefetch) != len(self.batches):
+            raise ValueError("one prefetch list per request is needed")
+        return twin
 
     @property
     def num_requests(self) -> int:
@@ -157,14 +197,16 @@ def replay(
     *,
     record_bytes: int = 0,
     hints: bool = False,
+    prefetch: bool = False,
     **options: Any,
 ) -> ReplayResult:
     """Replay the stream through an online ``policy`` (a name from POLICIES, with
     ``options`` for its constructor, or an instance) on a ring of ``slots`` slots.
 
     ``hints``: after each request, pass the stream's hint keys that are resident to the
-    policy's ``on_hint`` (an extension of the protocol the scheduler does not call yet;
-    see HintablePolicy); the result is named "<policy>+hint"."""
+    policy's ``on_hint``, as ``ExpertScheduler.hint`` does (see HintablePolicy); the result
+    is named "<policy>+hint". ``prefetch``: then load the stream's prefetch keys
+    speculatively (module docstring); the name gets "+prefetch"."""
     if policy == "belady":
         return replay_belady(source, slots, record_bytes=record_bytes)
     stream = as_stream(source)
@@ -173,24 +215,36 @@ def replay(
     on_hint = getattr(pol, "on_hint", None) if hints else None
     if hints and (on_hint is None or stream.hints is None):
         raise ValueError("hints need a stream with hints and a policy with on_hint()")
+    if prefetch and stream.prefetch is None:
+        raise ValueError("prefetch needs a stream with prefetch lists")
     hint_lists = stream.hints if on_hint is not None else None
+    spec_lists = stream.prefetch if prefetch else None
     resident: set[Key] = set()
     candidates = _Candidates(resident)
     on_access, on_insert, on_remove = pol.on_access, pol.on_insert, pol.on_remove
-    hits = 0
+    speculative: set[Key] = set()  # prefetched, not used yet
+    hits = spec_reads = spec_used = 0
+
+    def evict() -> None:
+        out = pol.victim(candidates)
+        if out not in candidates:
+            raise AssertionError(f"policy {pol.name} chose {out}, not a candidate")
+        resident.remove(out)
+        speculative.discard(out)
+        on_remove(out)
+
     for b, keys in enumerate(stream.batches):
         candidates.pinned = frozenset(keys)
         for key in keys:
             if key in resident:
                 hits += 1
+                if key in speculative:
+                    speculative.discard(key)
+                    spec_used += 1
                 on_access(key)
                 continue
             if len(resident) >= slots:
-                out = pol.victim(candidates)
-                if out not in candidates:
-                    raise AssertionError(f"policy {pol.name} chose {out}, not a candidate")
-                resident.remove(out)
-                on_remove(out)
+                evict()
             resident.add(key)
             on_insert(key)
             on_access(key)
@@ -198,9 +252,35 @@ def replay(
             for key in hint_lists[b]:
                 if key in resident:
                     on_hint(key)
+        if spec_lists is not None and spec_lists[b]:
+            loading: set[Key] = set()  # LOADING in the scheduler: not a candidate
+            candidates.pinned = loading
+            for key in spec_lists[b]:
+                if key in resident:
+                    continue
+                if len(resident) >= slots:
+                    if not len(candidates):
+                        break
+                    evict()
+                resident.add(key)
+                loading.add(key)
+                speculative.add(key)
+                on_insert(key)
+                spec_reads += 1
     n = stream.num_requests
     name = pol.name + ("+hint" if hint_lists is not None else "")
-    return ReplayResult(name, slots, n, hits, n - hits, (n - hits) * record_bytes)
+    name += "+prefetch" if spec_lists is not None else ""
+    misses = n - hits
+    return ReplayResult(
+        name,
+        slots,
+        n,
+        hits,
+        misses,
+        (misses + spec_reads) * record_bytes,
+        spec_reads,
+        spec_used,
+    )
 
 
 def replay_belady(
@@ -299,35 +379,74 @@ class _InstantBackend:
         return self.record_bytes
 
 
+def _by_layer(keys: Sequence[Key]) -> list[tuple[int, list[int]]]:
+    """Consecutive runs of one layer: the (layer, experts) calls that pass ``keys`` in order."""
+    runs: list[tuple[int, list[int]]] = []
+    for layer, expert in keys:
+        if not runs or runs[-1][0] != layer:
+            runs.append((layer, []))
+        runs[-1][1].append(expert)
+    return runs
+
+
 def replay_scheduler(
     source: KeyStream | Iterable[Request],
     slots: int,
     policy: str | EvictionPolicy = "lru",
     *,
     record_bytes: int = 0,
+    hints: bool = False,
+    prefetch: bool = False,
+    **options: Any,
 ) -> ReplayResult:
     """The same replay through the real ``ExpertScheduler`` (acquire, release, one request
-    at a time, instant reads): a cross-check of ``replay``. O(slots) per request; for small
-    streams."""
+    at a time, instant reads): a cross-check of ``replay``. ``hints``: ``hint()`` after each
+    request with the stream's hint keys; ``prefetch``: then ``prefetch()`` with its prefetch
+    keys, letting those reads finish before the next request. O(slots) per request; for
+    small streams."""
     from smoe.sched.scheduler import ExpertScheduler
+    from smoe.sched.types import Priority
 
     stream = as_stream(source)
+    if hints and stream.hints is None:
+        raise ValueError("hints need a stream with hints")
+    if prefetch and stream.prefetch is None:
+        raise ValueError("prefetch needs a stream with prefetch lists")
+    pol = make_policy(policy, **options) if isinstance(policy, str) else policy
 
-    async def run() -> tuple[int, int, str]:
+    async def run() -> ExpertScheduler:
         sched = ExpertScheduler(
             slots,
             _InstantBackend(record_bytes),
             record_of=lambda k: k[0] * 1_000_003 + k[1],
             record_bytes=record_bytes,
-            policy=policy,
+            policy=pol,
         )
-        for keys in stream.batches:
-            if not keys:
-                continue
-            got = await sched.acquire(keys[0][0], [e for _, e in keys])
-            sched.release(got)
+        for i, keys in enumerate(stream.batches):
+            if keys:
+                got = await sched.acquire(keys[0][0], [e for _, e in keys])
+                sched.release(got)
+            if hints and stream.hints is not None:
+                for layer, experts in _by_layer(stream.hints[i]):
+                    sched.hint(layer, experts)
+            if prefetch and stream.prefetch is not None:
+                for layer, experts in _by_layer(stream.prefetch[i]):
+                    sched.prefetch(layer, experts)
+                await sched.drain()  # the next request finds them READY
         await sched.close()
-        return sched.stats.hits, sched.stats.misses, sched.policy.name
+        return sched
 
-    hits, misses, name = asyncio.run(run())
-    return ReplayResult(name, slots, hits + misses, hits, misses, misses * record_bytes)
+    sched = asyncio.run(run())
+    st = sched.stats
+    spec = st.by_priority[Priority.SPECULATIVE].reads
+    name = sched.policy.name + ("+hint" if hints else "") + ("+prefetch" if prefetch else "")
+    return ReplayResult(
+        name,
+        slots,
+        st.hits + st.misses,
+        st.hits,
+        st.misses,
+        (st.misses + spec) * record_bytes,
+        spec,
+        st.speculative_used,
+    )

@@ -28,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from smoe.sched.hints import takes_hints
 from smoe.sched.policy import EvictionPolicy, make_policy
 from smoe.sched.stats import SchedulerStats
 from smoe.sched.types import Key, Priority, ReadBackend, ReadError, RingTooSmall, SlotState
@@ -304,6 +305,32 @@ class ExpertScheduler:
         self._pump()
         return queued
 
+    @property
+    def takes_hints(self) -> bool:
+        """Whether the eviction policy uses ``hint`` (it implements ``on_hint``)."""
+        return takes_hints(self.policy)
+
+    def hint(self, layer: int, experts: Iterable[int]) -> int:
+        """The router's near misses at ``layer``: experts ranked just below the ones the
+        current request used (gate ranks top_k .. depth-1, ``smoe.sched.hints``). Each one
+        in the ring (READY or LOADING) is passed, in the given order, to the policy's
+        ``on_hint``, which makes it likelier to stay; the others are ignored. Not an access:
+        no hit or miss is counted, nothing is read, pinned or evicted. Call it after the
+        request's ``reserve``/``acquire`` and before the next request (as
+        ``smoe.sched.replay`` does with ``hints=True``). Does nothing for a policy without
+        ``on_hint``. Returns how many keys were passed on."""
+        on_hint = getattr(self.policy, "on_hint", None)
+        if self._closed or not callable(on_hint):
+            return 0
+        passed = 0
+        for expert in dict.fromkeys(int(e) for e in experts):
+            key = (layer, expert)
+            if key in self._where:
+                on_hint(key)
+                passed += 1
+        self.stats.hints += passed
+        return passed
+
     def pin_ready(self, keys: Iterable[Key], owner: object) -> list[int] | None:
         """Pin the slots of ``keys`` for ``owner`` if every one is READY now (their slots,
         in order); else pin nothing and return None. Never waits, never reads."""
@@ -333,6 +360,12 @@ class ExpertScheduler:
         if dropped:
             self._wake_room()
         return dropped
+
+    async def drain(self) -> None:
+        """Wait until no read is queued or in flight (queued reads start as others end).
+        Requests made meanwhile may queue more; for replays and tests."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
         """Stop taking requests, drop queued reads and wait for reads in flight to end."""

@@ -72,6 +72,7 @@ class SchedulerStats:
     evictions: int = 0
     promotions: int = 0  # speculative reads that demand caught up with
     speculative_used: int = 0  # speculative loads later demanded (a useful bet)
+    hints: int = 0  # resident keys passed to the policy's on_hint (router near misses)
     by_priority: dict[Priority, PriorityCounters] = field(
         default_factory=lambda: {p: PriorityCounters() for p in Priority}
     )
@@ -93,6 +94,7 @@ class SchedulerStats:
             "evictions": self.evictions,
             "promotions": self.promotions,
             "speculative_used": self.speculative_used,
+            "hints": self.hints,
             "bytes_read": self.bytes_read(),
             "by_priority": {
                 p.name.lower(): {

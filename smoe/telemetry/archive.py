@@ -7,7 +7,13 @@ Stored as a compressed .npz (numpy only, so the policy tools read it anywhere):
   phase  uint8  [N]        0 = prefill, 1 = decode
   layers int32  [L]        the decoder layer of each MoE layer
   meta   JSON string       num_experts, top_k, depth R, source, ...
-N tokens in processing order. Written atomically (temp name, fsync, rename).
+  ahead  uint16 [N, L, A]  optional (archives recorded since issue 14): the lookahead, i.e.
+                           MoE layer l's router run on MoE layer l-1's input (what the
+                           engine's lookahead prefetches from), expert ids by descending
+                           score; NO_EXPERT (65535) where nothing was predicted (the first
+                           MoE layer, routers that return only their top-k)
+N tokens in processing order. Written atomically (temp name, fsync, rename). Archives
+without ``ahead`` load with ``ahead = None``; readers that predate it ignore it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from smoe.fsutil import atomic_write, sweep_stale
 
 PREFILL, DECODE = 0, 1
+NO_EXPERT = 0xFFFF  # an empty place in ``ahead``
 
 
 @dataclass
@@ -33,6 +40,7 @@ class RoutingArchive:
     batch: np.ndarray  # int32 [N]
     phase: np.ndarray  # uint8 [N]
     meta: dict[str, Any] = field(default_factory=dict)
+    ahead: np.ndarray | None = None  # uint16 [N, L, A]: the lookahead (module docstring)
 
     @property
     def depth(self) -> int:
@@ -75,6 +83,7 @@ class RoutingArchive:
         sweep_stale(path.parent, targets=[path.name])  # saves of this file killed before
         try:
             with atomic_write(path, keep_suffix=True) as f:  # .NAME.tmp-PID.npz
+                extra = {} if self.ahead is None else {"ahead": self.ahead.astype(np.uint16)}
                 np.savez_compressed(
                     f,
                     ranks=self.ranks.astype(np.uint16),
@@ -82,6 +91,7 @@ class RoutingArchive:
                     phase=self.phase,
                     layers=np.asarray(self.layers, np.int32),
                     meta=np.array(json.dumps(meta)),
+                    **extra,
                 )
         except OSError as e:
             from smoe.errors import SmoeError
@@ -111,6 +121,7 @@ class RoutingArchive:
                     z["batch"],
                     z["phase"],
                     meta,
+                    ahead=z["ahead"] if "ahead" in z.files else None,
                 )
         except SmoeError:
             raise
@@ -119,27 +130,46 @@ class RoutingArchive:
 
 
 class ArchiveRecorder:
-    """Collects routing from the compute thread; ``archive()`` assembles the file's arrays."""
+    """Collects routing from the compute thread; ``archive()`` assembles the file's arrays.
+
+    ``record`` takes each MoE layer's gate ranking; ``record_ahead`` the lookahead ranking
+    of the next MoE layer (kept to the same depth; the archive has ``ahead`` once any was
+    recorded)."""
 
     def __init__(self, num_experts: int, top_k: int, layers: list[int], depth: int) -> None:
         self.num_experts, self.top_k, self.layers = num_experts, top_k, layers
         self.depth = min(depth, num_experts)
         self._pos = {layer: i for i, layer in enumerate(layers)}
         self._rows: list[np.ndarray] = []  # per batch: [T, L, R]
+        self._ahead: list[np.ndarray] = []  # per batch: [T, L, R], NO_EXPERT where none
+        self._any_ahead = False
         self._phases: list[int] = []
         self._current: np.ndarray | None = None
+        self._current_ahead: np.ndarray | None = None
         self._phase = PREFILL
 
     def begin(self, tokens: int, phase: int) -> None:
         """A new batch of ``tokens`` tokens (a prefill chunk or a decode step) starts."""
-        self._current = np.zeros((tokens, len(self.layers), self.depth), np.uint16)
+        shape = (tokens, len(self.layers), self.depth)
+        self._current = np.zeros(shape, np.uint16)
+        self._current_ahead = np.full(shape, NO_EXPERT, np.uint16)
         self._rows.append(self._current)
+        self._ahead.append(self._current_ahead)
         self._phases.append(phase)
 
     def record(self, layer: int, ranking: np.ndarray) -> None:
         """``ranking`` [T, >=R]: this batch's expert ids by descending gate score."""
         if self._current is not None and ranking.shape[0] == self._current.shape[0]:
             self._current[:, self._pos[layer], :] = ranking[:, : self.depth]
+
+    def record_ahead(self, layer: int, ranking: np.ndarray) -> None:
+        """``ranking`` [T, n]: ``layer``'s experts by descending score of its router run on
+        the previous MoE layer's input (this batch's tokens); places beyond n stay empty."""
+        ahead = self._current_ahead
+        if ahead is not None and ranking.shape[0] == ahead.shape[0] and layer in self._pos:
+            n = min(ranking.shape[1], self.depth)
+            ahead[:, self._pos[layer], :n] = ranking[:, :n]
+            self._any_ahead = True
 
     def archive(self, meta: dict[str, Any] | None = None) -> RoutingArchive:
         if not self._rows:
@@ -158,6 +188,7 @@ class ArchiveRecorder:
         phase = np.concatenate(
             [np.full(len(r), p, np.uint8) for r, p in zip(self._rows, self._phases, strict=True)]
         )
+        ahead = np.concatenate(self._ahead) if self._any_ahead else None
         return RoutingArchive(
-            self.num_experts, self.top_k, self.layers, ranks, batch, phase, meta or {}
+            self.num_experts, self.top_k, self.layers, ranks, batch, phase, meta or {}, ahead
         )
