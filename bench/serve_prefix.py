@@ -5,7 +5,9 @@
 A conversation's first request carries a long user message (about --history-tokens
 tokens); its follow-up repeats the messages, adds the reply and a short new question.
 With prefix reuse the server finds the first request's KV cache and prefills only what
-follows the common prefix; without it (the server's prefix cache emptied first) the same
+follows the common prefix; where the reply sent back is ours verbatim, the follow-up
+continues from the ids it was generated as, so only the new turn is prefilled
+(``reply_continued``). Without reuse (the server's prefix cache emptied first) the same
 follow-up prefills everything. The two are timed alternately (ABBA) in one run, each
 after the same first request. Streams through HTTP (aiohttp); prints JSON.
 """
@@ -73,15 +75,17 @@ async def main() -> None:
         ]
         times: dict[str, list[float]] = {"reuse": [], "no_reuse": []}
         prefilled: dict[str, list[int]] = {"reuse": [], "no_reuse": []}
+        continued: dict[str, list[int]] = {"reuse": [], "no_reuse": []}
         for mode in ["reuse", "no_reuse", "no_reuse", "reuse"] * (args.repeats // 2 or 1):
             server.cache.entries.clear()
             await ask(first)  # the same state before each timed follow-up
             if mode == "no_reuse":
                 server.cache.entries.clear()
-            reused0 = server.reused_tokens
+            prefilled0, continued0 = server.prefilled_tokens, server.reply_follow_ups
             _, ttft, follow_tokens = await ask(follow)
             times[mode].append(ttft)
-            prefilled[mode].append(follow_tokens - (server.reused_tokens - reused0))
+            prefilled[mode].append(server.prefilled_tokens - prefilled0)
+            continued[mode].append(server.reply_follow_ups - continued0)
         await http.close()
         task.cancel()
     reuse, fresh = statistics.median(times["reuse"]), statistics.median(times["no_reuse"])
@@ -94,7 +98,9 @@ async def main() -> None:
                 "first_request_prompt_tokens": first_tokens,
                 "follow_up_prompt_tokens": follow_tokens,
                 "ttft_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-                "prompt_tokens_not_reused": prefilled,
+                # prompt tokens run before the first token (the last one runs with it)
+                "prefilled_tokens": prefilled,
+                "reply_continued": continued,
                 "median_ttft_reuse_s": round(reuse, 3),
                 "median_ttft_no_reuse_s": round(fresh, 3),
                 "speedup": round(fresh / reuse, 2),

@@ -5,7 +5,8 @@ never the reply's text tokenized again, which may give other ids) followed by th
 template's text for the new turn; the cache is trimmed to the prefix it shares with that and
 only the rest is prefilled. So a follow-up turn costs its new tokens, not the history.
 Where the template renders past turns differently once a reply follows (some strip a
-reply's reasoning), the whole message list is templated again instead (``_follow_up``).
+reply's reasoning), the whole message list is templated again instead (``follow_up_prompt``,
+which `smoe serve` shares for the replies its clients send back).
 
     conv = engine.conversation(system="Be brief.")
     async for event in conv.send("Hello!"):
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,53 @@ def vault_fingerprint(engine: Engine) -> str:
     h.update(engine.vault.backbone_path.read_bytes()[:4096])
     h.update(str(engine.dtype).encode())
     return h.hexdigest()[:32]
+
+
+REPLY_MARK = "\ue000smoe-reply\ue001"  # private-use characters: no template writes them
+
+
+def follow_up_prompt(
+    tok: Any, stream: Sequence[int], messages: list[dict[str, str]], reply: int
+) -> list[int] | None:
+    """The prompt for ``messages`` that continues a token stream instead of templating the
+    whole history again: ``stream`` then the template's tokens for what follows the reply.
+
+    ``messages[reply]`` is an assistant reply that the model generated: ``stream`` is the
+    prompt it was generated from (made for ``messages[:reply]``) followed by the ids it
+    generated, whose text is the message's content, and, when the model ended its turn,
+    that end-of-turn id. The reply's text is never tokenized again (which may give other
+    ids); so only the new messages' tokens (template tokens included) are prefilled.
+
+    The prompt's text is the template's text for ``messages``, and it differs from the
+    templated prompt only in the reply's ids (and in those of earlier replies continued the
+    same way). None (template the whole list instead) where that could not hold: the
+    template renders the earlier messages otherwise once a reply follows them, or renders
+    the reply's text otherwise than verbatim (trimmed, its reasoning dropped), or writes
+    the marker it is located by (private-use characters) anywhere else.
+    """
+    said = messages[reply] if 0 < reply < len(messages) else None
+    if not stream or said is None or said.get("role") != "assistant":
+        return None
+    marked = [*messages[:reply], {**said, "content": REPLY_MARK}, *messages[reply + 1 :]]
+    text = tok.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    if not isinstance(text, str) or text.count(REPLY_MARK) != 1:
+        return None
+    head, tail = text.split(REPLY_MARK)
+    before = tok.apply_chat_template(messages[:reply], add_generation_prompt=True, tokenize=False)
+    if head != before:  # past turns render otherwise once a reply follows
+        return None
+    whole = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if whole != head + said["content"] + tail:  # the reply is not rendered as it was said
+        return None
+    ids = list(stream)
+    eos = set(getattr(tok, "eos_token_ids", None) or [])
+    if ids[-1] in eos:  # the reply ended with the turn's end: not twice
+        end = tok.decode([ids[-1]])
+        if end and tail.startswith(end):
+            tail = tail[len(end) :]
+        else:  # an end the template does not write there: the template's own end instead
+            ids.pop()
+    return [*ids, *(int(t) for t in tok.encode(tail, add_special_tokens=False))]
 
 
 class Conversation:
@@ -92,30 +140,16 @@ class Conversation:
         return follow if follow is not None else self.template(messages)
 
     def _follow_up(self, messages: list[dict[str, str]]) -> list[int] | None:
-        """The stream up to the last reply's generated ids, then the template's text after
-        that reply, tokenized; None where that would not be what the template says."""
+        """The stream up to the last reply's generated ids, then the template's tokens after
+        that reply (``follow_up_prompt``); None where that would not be what the template
+        says, or when ``messages`` is not the history plus new messages."""
         if self._seq is None or self._reply_end is None or len(messages) < 2:
             return None
         history = messages[:-1]
         if history != self.messages or history[-1].get("role") != "assistant":
             return None
-        tok = self.engine.tokenizer
-        mark = "\ue000smoe-reply\ue001"  # private-use characters: no template writes them
-        marked = [*history[:-1], {"role": "assistant", "content": mark}, messages[-1]]
-        text = tok.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
-        before = tok.apply_chat_template(history[:-1], add_generation_prompt=True, tokenize=False)
-        if not isinstance(text, str) or text.count(mark) != 1:
-            return None
-        head, tail = text.split(mark)
-        if head != before:  # past turns render otherwise once a reply follows
-            return None
         stream = self._seq.tokens[: self._reply_end]
-        eos = set(getattr(tok, "eos_token_ids", None) or [])
-        if stream and stream[-1] in eos:  # the reply ended with the turn's end: not twice
-            end = tok.decode([stream[-1]])
-            if end and tail.startswith(end):
-                tail = tail[len(end) :]
-        return [*stream, *(int(t) for t in tok.encode(tail, add_special_tokens=False))]
+        return follow_up_prompt(self.engine.tokenizer, stream, messages, len(history) - 1)
 
     def _prepare(self, prompt: list[int], params: SamplingParams) -> Sequence_:
         """Compute thread: point the cached stream at ``prompt`` (reusing the common

@@ -9,7 +9,9 @@ tells the client a request id, never internals, and the server log has the detai
 Concurrent requests are decoded together by the engine's batcher (one step advances every
 active request; per MoE layer the union of their experts is read once), with results
 identical to running each alone. A request whose prompt extends an earlier one reuses
-that request's KV cache (prefix reuse). A client that disconnects leaves the batch at the
+that request's KV cache (prefix reuse); a chat request that sends back a reply of ours
+verbatim continues from the ids that reply was generated as (``PrefixCache.follow_up``),
+so only its new messages are prefilled. A client that disconnects leaves the batch at the
 next step. Requests beyond the batch wait in a bounded queue; past it they get 429.
 """
 
@@ -31,6 +33,7 @@ from jinja2 import TemplateError
 
 from smoe.compute.model import compute_dtype_note
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
+from smoe.conversation import follow_up_prompt
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.serve.stops import StopMatcher
@@ -43,7 +46,7 @@ from smoe.serve.validate import (
     validate_request,
 )
 
-__all__ = ["ApiError", "PrefixCache", "Server", "ServerOptions", "serve"]
+__all__ = ["ApiError", "ChatReply", "PrefixCache", "Server", "ServerOptions", "serve"]
 
 MAX_TOKENS_LIMIT = 32768
 DEFAULT_MAX_TOKENS = 256  # when a request sets none (and the context has room)
@@ -93,36 +96,129 @@ class RequestOptions:
 
 
 @dataclass
+class _Turn:
+    """A chat request's messages, and whether its prompt continues a cached reply."""
+
+    messages: list[dict[str, str]]
+    continued: bool = False
+
+
+@dataclass
+class ChatReply:
+    """What a cached sequence holds of the chat request that made it: the request's
+    ``messages``, the reply ``text`` its client was given, and ``end``, the stream length
+    that ends with the ids of that text (and the end-of-turn id when the model ended its
+    turn there). Made only where ``text`` is exactly what those ids decode to."""
+
+    messages: list[dict[str, str]]
+    text: str
+    end: int
+
+    def nbytes(self) -> int:
+        """Bytes of text it keeps (UTF-8)."""
+        parts = [self.text, *(m["content"] for m in self.messages)]
+        return sum(len(t.encode("utf-8", "surrogatepass")) for t in parts)
+
+
+@dataclass
+class Cached:
+    """One sequence of the prefix cache, with its chat reply if it has one."""
+
+    seq: Sequence_
+    reply: ChatReply | None = None
+    text_bytes: int = 0  # what ``reply`` keeps
+
+    def nbytes(self) -> int:
+        return _cache_bytes(self.seq) + self.text_bytes
+
+
+@dataclass
 class PrefixCache:
     """KV caches of recent requests; a new prompt takes the one sharing its longest prefix.
-    Keeps at most ``capacity`` caches and ``max_bytes`` of keys and values (oldest go)."""
+    Keeps at most ``capacity`` caches and ``max_bytes`` of keys and values and of the chat
+    replies' texts (oldest go).
+
+    A chat request's sequence also keeps the reply its client was given (``ChatReply``), so
+    that a request repeating that request's messages, then that reply verbatim, then new
+    messages continues from the ids the reply was generated as (``follow_up``)."""
 
     capacity: int
     max_bytes: int = 2 * 1024**3
-    entries: list[Sequence_] = field(default_factory=list)
+    entries: list[Cached] = field(default_factory=list)
 
     def take(self, prompt: list[int]) -> tuple[Sequence_ | None, int]:
         best, best_len = None, 0
-        for seq in self.entries:
+        for entry in self.entries:
+            seq = entry.seq
             n = common_prefix(seq.tokens[: seq.cached], prompt)
             if n > best_len:
-                best, best_len = seq, n
-        if best is not None:
-            self.entries.remove(best)
-        return best, best_len
+                best, best_len = entry, n
+        if best is None:
+            return None, 0
+        self.entries.remove(best)
+        return best.seq, best_len
 
-    def put(self, seq: Sequence_) -> None:
-        self.entries.insert(0, seq)
+    def put(self, seq: Sequence_, reply: ChatReply | None = None) -> None:
+        size = reply.nbytes() if reply is not None else 0
+        self.entries.insert(0, Cached(seq, reply, size))
         del self.entries[self.capacity :]
         while self.entries and self.nbytes() > self.max_bytes:
             self.entries.pop()
 
+    def follow_up(self, tok: Any, messages: list[dict[str, str]]) -> list[int] | None:
+        """The prompt for chat ``messages`` that begin with a cached request's messages and
+        our reply to them (its text exactly), when they do: that sequence's stream up to
+        the reply's end, then the template's tokens for the messages after the reply
+        (``follow_up_prompt``, as a Conversation's next turn). So the reply is never
+        tokenized again. None where no cached reply is repeated, or the template says
+        otherwise (the caller templates ``messages`` whole). The longest history wins; of
+        equals, the newest."""
+        best: ChatReply | None = None
+        stream: list[int] = []
+        for entry in self.entries:
+            r = entry.reply
+            if r is None or len(r.messages) >= len(messages):
+                continue
+            if best is not None and len(r.messages) <= len(best.messages):
+                continue
+            said = messages[len(r.messages)]
+            if said["role"] != "assistant" or said["content"] != r.text:
+                continue
+            if messages[: len(r.messages)] != r.messages:
+                continue
+            best, stream = r, entry.seq.tokens[: r.end]
+        if best is None or len(stream) != best.end:
+            return None
+        return follow_up_prompt(tok, stream, messages, len(best.messages))
+
     def nbytes(self) -> int:
-        return sum(_cache_bytes(seq) for seq in self.entries)
+        return sum(entry.nbytes() for entry in self.entries)
 
 
 def _cache_bytes(seq: Sequence_) -> int:
     return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
+
+
+def reply_ids(tok: Any, ids: list[int], text: str, cut: bool) -> int | None:
+    """How many of the generated ``ids`` the reply ``text`` is exactly the text of: all of
+    them, or where ``cut`` (a stop string ended the text early) the fewest whose text it
+    is; None where no such count exists (the text a client was given is not what the ids
+    decode to: a detokenizer that dropped a leading space, a cut inside a token)."""
+
+    def decode(n: int) -> str:
+        out = tok.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return out if isinstance(out, str) else ""
+
+    if not cut:
+        return len(ids) if decode(len(ids)) == text else None
+    lo, hi = 0, len(ids)  # the fewest whose text is at least as long
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(mid)) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if decode(lo) == text else None
 
 
 def _failure(e: Exception, rid: str) -> ApiError:
@@ -155,7 +251,9 @@ class Server:
         self.engine = engine
         self.options = options
         self.cache = PrefixCache(options.cached_sequences, options.cached_bytes)
-        self.reused_tokens = 0
+        self.reused_tokens = 0  # prompt tokens whose keys and values were reused
+        self.prefilled_tokens = 0  # prompt tokens run (all but each prompt's last)
+        self.reply_follow_ups = 0  # chat requests that continued a cached reply's ids
         self.app = web.Application(
             middlewares=[self._errors, self._auth], client_max_size=options.max_body_bytes
         )
@@ -247,6 +345,7 @@ class Server:
                     else 0.0,
                 },
                 "prefix_reused_tokens": self.reused_tokens,
+                "prefilled_tokens": self.prefilled_tokens,
                 # exactness claims hold for a dtype: say which, and why (docs/api.md)
                 "compute_dtype": compute_dtype_note(
                     self.engine.vault, self.engine.dtype, self.engine.options.dtype is not None
@@ -255,6 +354,8 @@ class Server:
                     "sequences": len(self.cache.entries),
                     "bytes": self.cache.nbytes(),
                     "max_bytes": self.cache.max_bytes,
+                    "replies": sum(e.reply is not None for e in self.cache.entries),
+                    "reply_follow_ups": self.reply_follow_ups,
                 },
             }
         )
@@ -317,12 +418,16 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         fields = await self._request(request, "chat")
-        if self.engine.tokenizer is None:
+        tok = self.engine.tokenizer
+        if tok is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
+        messages: list[dict[str, str]] = fields["messages"]
         try:
-            ids = self.engine.tokenizer.apply_chat_template(
-                fields["messages"], add_generation_prompt=True, tokenize=True
-            )
+            # A reply of ours sent back verbatim: continue from the ids it was generated as
+            follow = self.cache.follow_up(tok, messages)
+            ids = follow
+            if ids is None:
+                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except TemplateError as e:  # the model's template refuses them (e.g. role order)
             raise ApiError(
                 400,
@@ -331,7 +436,8 @@ class Server:
                 code="invalid_value",
             ) from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return await self._complete(request, fields, ids, chat=True)
+        turn = _Turn(messages, continued=follow is not None)
+        return await self._complete(request, fields, ids, chat=True, turn=turn)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         fields = await self._request(request, "completions")
@@ -346,7 +452,12 @@ class Server:
         return await self._complete(request, fields, ids, chat=False)
 
     async def _complete(
-        self, request: web.Request, fields: dict[str, Any], ids: list[int], chat: bool
+        self,
+        request: web.Request,
+        fields: dict[str, Any],
+        ids: list[int],
+        chat: bool,
+        turn: _Turn | None = None,
     ) -> web.StreamResponse:
         if not ids:  # a text that tokenizes to nothing
             raise ApiError(400, "Invalid 'prompt': it encodes to no tokens.", param="prompt")
@@ -355,20 +466,30 @@ class Server:
         ids = self.engine._check_tokens(ids, extra=opts.max_tokens)
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        return await self._run(request, ids, opts, chat)
+        return await self._run(request, ids, opts, chat, turn)
 
     async def _run(
-        self, request: web.Request, ids: list[int], opts: RequestOptions, chat: bool
+        self,
+        request: web.Request,
+        ids: list[int],
+        opts: RequestOptions,
+        chat: bool,
+        turn: _Turn | None = None,
     ) -> web.StreamResponse:
         engine = self.engine
-        seq, reused = self.cache.take(ids)
-        self.reused_tokens += reused
+        seq, _ = self.cache.take(ids)
+        if turn is not None and turn.continued:
+            self.reply_follow_ups += 1
+        reused = 0  # prompt tokens whose keys and values this request reuses
 
         def prepare() -> Sequence_:  # compute thread; the batcher prefills the rest
-            nonlocal seq
+            nonlocal seq, reused
             if seq is None:
                 seq = Sequence_(cache=engine.runner.new_cache())
-            engine.runner.prepare(seq, ids, opts.params)
+            run = engine.runner.prepare(seq, ids, opts.params)
+            reused = len(ids) - 1 - run  # the last prompt token runs in the first step
+            self.reused_tokens += reused  # counters written by the compute thread only
+            self.prefilled_tokens += run
             return seq
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -377,6 +498,9 @@ class Server:
         kind = "chat.completion" if chat else "text_completion"
         text: list[str] = []
         finish, completion = "length", 0
+        generated: list[int] = []  # the ids shown (an end-of-turn id is not)
+        ended = False  # the model ended its turn (its end-of-turn id is in the stream)
+        kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
         response: web.StreamResponse | None = None
         stops = StopMatcher(opts.stops)
         if opts.stream:
@@ -394,8 +518,10 @@ class Server:
                 async for event in events:
                     if event.token is not None:
                         completion += 1
+                        generated.append(event.token)
                     if event.finish_reason:
                         finish = event.finish_reason
+                        ended = finish == "stop"
                     piece = stops.feed(event.text) if event.text else ""
                     if stops.stopped:
                         finish = "stop"
@@ -407,6 +533,12 @@ class Server:
                             await self._sse(response, rid, kind, created, piece, None, chat)
                     if stops.stopped:
                         break
+            if turn is not None and seq is not None:
+                try:  # only an optimisation: its failure is logged, never the request's
+                    reply = "".join(text)
+                    kept = self._reply(turn, ids, seq, generated, reply, ended, stops.stopped)
+                except Exception:
+                    log.exception("request %s: the reply is not kept for reuse", request_id)
         except ConnectionError:
             if response is None:
                 raise
@@ -423,11 +555,12 @@ class Server:
             return response
         finally:
             if seq is not None:
-                self.cache.put(seq)
-        usage = {
+                self.cache.put(seq, kept)
+        usage: dict[str, Any] = {
             "prompt_tokens": len(ids),
             "completion_tokens": completion,
             "total_tokens": len(ids) + completion,
+            "prompt_tokens_details": {"cached_tokens": reused},  # OpenAI's name for reuse
         }
         if response is not None:
             await self._sse(response, rid, kind, created, "", finish, chat, usage)
@@ -451,6 +584,37 @@ class Server:
             }
         )
 
+    def _reply(
+        self,
+        turn: _Turn,
+        ids: list[int],
+        seq: Sequence_,
+        generated: list[int],
+        text: str,
+        ended: bool,
+        cut: bool,
+    ) -> ChatReply | None:
+        """What the prefix cache keeps of a chat request's reply (``PrefixCache.follow_up``
+        continues from it), or None where the ``text`` the client was given is not exactly
+        the text of ids in the stream: then a follow-up templates the messages whole.
+        ``generated``: the ids shown; ``ended``: the model's end-of-turn id follows them;
+        ``cut``: a stop string ended the text (the ids past it are not the reply)."""
+        tok = self.engine.tokenizer
+        eos = set(getattr(tok, "eos_token_ids", None) or [])
+        if any(t in eos for t in generated):  # ignore_eos: an end of turn inside the reply
+            return None
+        n = reply_ids(tok, generated, text, cut)
+        if n is None:
+            return None
+        ended = ended and not cut
+        start, end = len(ids), len(ids) + n + ended
+        tokens = seq.tokens  # a cancelled request's last step may still append: read once
+        if len(tokens) < end or tokens[:start] != ids or tokens[start : start + n] != generated[:n]:
+            return None
+        if ended and tokens[end - 1] not in eos:
+            return None
+        return ChatReply(turn.messages, text, end)
+
     async def _sse(
         self,
         response: web.StreamResponse,
@@ -460,7 +624,7 @@ class Server:
         text: str,
         finish: str | None,
         chat: bool,
-        usage: dict[str, int] | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> None:
         if chat:
             choice: dict[str, Any] = {
