@@ -2,12 +2,13 @@
 against one request at a time, measured in the same run.
 
     python bench/serve_clients.py VAULT [--clients 1,2,4,8] [--max-tokens 32]
-                                        [--prompt-tokens 16] [--memory SIZE]
+                                        [--prompt-tokens 16] [--memory SIZE] [--text FILE]
 
 Starts the server in-process on a free port and drives it over HTTP (aiohttp). For
 each client count it runs the batched server (max_batch 8) and the one-at-a-time server
 (max_batch 1) on the same engine, alternating which goes first (ABBA), with the same fresh
-random prompts (prefix reuse is off, so both prefill them fully); ``same_text`` says
+random prompts (random token ids, or with --text slices of that text at random
+offsets; prefix reuse is off, so both prefill them fully); ``same_text`` says
 whether every client got the same completion both ways. Every client asks for exactly
 --max-tokens (no stop at EOS). Prints JSON; total_tok_s counts completion tokens over
 the wall time of the whole round, prefill included.
@@ -19,6 +20,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -35,6 +37,7 @@ async def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--memory", default=None)
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--text", default=None, help="prompts cut from this text file")
     args = p.parse_args()
     rng = random.Random(0)
     rows = []
@@ -99,7 +102,12 @@ async def main() -> None:
                 "texts": [x for _, _, x in results],
             }
 
+        text_ids = engine.encode(Path(args.text).read_text()) if args.text else []  # noqa: ASYNC240
+
         def fresh(n: int) -> list[list[int]]:
+            if text_ids:  # real text: the routing a model sees in use
+                starts = [rng.randrange(len(text_ids) - args.prompt_tokens) for _ in range(n)]
+                return [text_ids[s : s + args.prompt_tokens] for s in starts]
             return [rng.choices(words, k=args.prompt_tokens) for _ in range(n)]
 
         # Warm-up, not reported: imports, first touch of the ring, kernel compilation (MLX

@@ -384,6 +384,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "ring": args.ring,
         "policy": args.policy,
+        "hint_depth": args.hint_depth,
         "spec": args.spec,
         "lookahead": args.lookahead,
     }
@@ -424,7 +425,15 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="lfu",
-        help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer",
+        help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer; lfu+hint, "
+        "lru+hint and lru-layer+hint also feed it the router's near misses "
+        "(docs/cache-policy.md)",
+    )
+    p.add_argument(
+        "--hint-depth",
+        type=int,
+        default=None,
+        help="with a +hint policy: hint gate ranks top_k..N-1 (default 4 x top_k)",
     )
     p.add_argument(
         "--no-lookahead",

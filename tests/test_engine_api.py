@@ -182,6 +182,8 @@ def test_cli_generate_json(vault, run_cli):
         (["--prompt-ids", "1,2", "--memory", "1KB"], "use --memory"),
         (["--prompt-ids", "1,2", "--max-tokens", "999999"], "exceed the context"),
         ([], "exactly one of --prompt"),
+        (["--prompt-ids", "1,2", "--hint-depth", "6"], "needs a '+hint' policy"),
+        (["--prompt-ids", "1,2", "--policy", "arc+hint"], "takes no hints"),
     ],
 )
 def test_cli_generate_errors(vault, run_cli, args, needle):
