@@ -73,7 +73,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="demo",
-            description="chat demo: hidden 256, 16 experts top-4, 6 layers, vocab 4096 (~25 MB)",
+            description="random-weight demo for tests: hidden 256, 16 experts top-4, 6 layers, vocab 4096 (~25 MB)",
             hidden=256,
             layers=6,
             vocab=4096,
