@@ -136,6 +136,17 @@ def copy_dir(tmp_path):
     return copy
 
 
+def tiny_vault(root: Path, seed: int):
+    """A `smoe synth --preset tiny` qwen3_moe converted with float32 scales (the CPU's fast
+    dtype): the engine tests' usual model. Each test module makes its own, because engines
+    write per-vault state (popularity counts) that must not leak between modules."""
+    from smoe.synth import synthesize
+    from smoe.vault.convert import ConvertOptions, convert
+
+    src = synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=seed)
+    return convert(src, root / "v", ConvertOptions(dtype="float32"))
+
+
 def edit_json(path: Path, **changes) -> None:
     data = json.loads(path.read_text())
     for k, v in changes.items():

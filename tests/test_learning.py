@@ -17,8 +17,7 @@ import pytest
 from smoe.engine import Engine
 from smoe.learning import Popularity
 from smoe.sched.types import Priority, SlotState
-from smoe.synth import synthesize
-from smoe.vault.convert import ConvertOptions, convert
+from tests.conftest import tiny_vault
 
 pytestmark = pytest.mark.asyncio
 
@@ -26,11 +25,7 @@ pytestmark = pytest.mark.asyncio
 @pytest.fixture
 def vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("learn")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=9),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
+    return tiny_vault(root, seed=9)
 
 
 async def drain(engine):
@@ -103,11 +98,7 @@ async def test_hot_policy_pins_the_history(vault):
 @pytest.fixture(scope="module")
 def shared_vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("learn-shared")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=9),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
+    return tiny_vault(root, seed=9)
 
 
 def fresh_copy(vault, tmp_path):

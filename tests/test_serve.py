@@ -10,9 +10,9 @@ import pytest
 from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
-from smoe.serve.app import ServerOptions, serve
-from smoe.synth import synthesize
-from smoe.vault.convert import ConvertOptions, convert
+from smoe.serve.app import ServerOptions
+from tests.conftest import tiny_vault
+from tests.serving import Running
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
@@ -22,41 +22,7 @@ pytestmark = pytest.mark.asyncio
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=11),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
-
-
-class Running:
-    def __init__(self, engine: Engine, options: ServerOptions) -> None:
-        self.engine, self.options = engine, options
-        self.clients: list[openai.AsyncOpenAI] = []
-
-    async def __aenter__(self) -> Running:
-        loop = asyncio.get_running_loop()
-        port = loop.create_future()
-        self.task = loop.create_task(
-            serve(self.engine, "127.0.0.1", 0, self.options, ready=port.set_result)
-        )
-        self.port = await port
-        self.base = f"http://127.0.0.1:{self.port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        # Close the clients on this loop: left to the garbage collector, their connections
-        # close later on a closed loop and log errors into another test.
-        for c in self.clients:
-            await c.close()
-        self.task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await self.task
-
-    def client(self, key: str = "secret"):
-        c = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
-        self.clients.append(c)
-        return c
+    return tiny_vault(root, seed=11)
 
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]

@@ -30,8 +30,7 @@ import pytest
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 from smoe.serve.validate import FIELDS
-from smoe.synth import synthesize
-from smoe.vault.convert import ConvertOptions, convert
+from tests.conftest import tiny_vault
 
 pytestmark = pytest.mark.asyncio
 
@@ -43,11 +42,7 @@ CONTEXT = 40  # tokens: a mutated request that happens to be valid generates 7 o
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=11),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
+    return tiny_vault(root, seed=11)
 
 
 # ----------------------------------------------------------------- requests

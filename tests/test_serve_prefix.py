@@ -5,7 +5,6 @@ whose text is not what its ids decode to is never taken for ours."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +15,9 @@ import pytest
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
 from smoe.conversation import REPLY_MARK, follow_up_prompt
 from smoe.engine import Engine
-from smoe.serve.app import ChatReply, PrefixCache, Server, ServerOptions, serve
-from smoe.synth import synthesize
-from smoe.vault.convert import ConvertOptions, convert
+from smoe.serve.app import ChatReply, PrefixCache, Server, ServerOptions
+from tests import serving
+from tests.conftest import tiny_vault
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
@@ -28,45 +27,22 @@ pytestmark = pytest.mark.asyncio
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-prefix")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=11),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
+    return tiny_vault(root, seed=11)
 
 
-class Running:
+class Running(serving.Running):
     """A server on ``engine`` whose ``Server`` the test can look into. ``reuse=False``:
     the reference, which keeps its sequences (to be looked at) but never reuses one."""
 
     def __init__(self, engine: Engine, options: ServerOptions, reuse: bool = True) -> None:
-        self.engine, self.options = engine, options
-        self.server = Server(engine, options)
+        super().__init__(engine, options, Server(engine, options))
         if not reuse:
             self.server.cache.take = lambda prompt: (None, 0)  # type: ignore[method-assign]
 
     async def __aenter__(self) -> Running:
-        loop = asyncio.get_running_loop()
-        port = loop.create_future()
-        self.task = loop.create_task(
-            serve(
-                self.engine,
-                "127.0.0.1",
-                0,
-                self.options,
-                ready=port.set_result,
-                server=self.server,
-            )
-        )
-        self.base = f"http://127.0.0.1:{await port}"
-        self.client = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="-", max_retries=0)
+        await super().__aenter__()
+        self.openai = self.client(key="-")
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.client.close()
-        self.task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await self.task
 
     async def stats(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as http, http.get(self.base + "/v1/smoe/stats") as r:
@@ -86,7 +62,7 @@ class Reply:
 
 async def chat(srv: Running, messages: list[dict[str, str]], stream: bool, **kw: Any) -> Reply:
     kw = {"max_tokens": 12, "temperature": 0, **kw}
-    c = srv.client.chat.completions
+    c = srv.openai.chat.completions
     if not stream:
         r = await c.create(model="smoe", messages=messages, **kw)
         choice = r.choices[0]
@@ -103,7 +79,7 @@ async def chat(srv: Running, messages: list[dict[str, str]], stream: bool, **kw:
 
 async def complete(srv: Running, ids: list[int], **kw: Any) -> Reply:
     kw = {"max_tokens": 12, "temperature": 0, **kw}
-    r = await srv.client.completions.create(model="smoe", prompt=ids, **kw)
+    r = await srv.openai.completions.create(model="smoe", prompt=ids, **kw)
     return Reply(r.choices[0].text, r.choices[0].finish_reason, r.usage.model_dump())
 
 

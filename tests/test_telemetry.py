@@ -9,19 +9,14 @@ import pytest
 
 from smoe.bench.policy import bench_policy
 from smoe.engine import Engine
-from smoe.synth import synthesize
 from smoe.telemetry.archive import DECODE, NO_EXPERT, PREFILL, RoutingArchive
-from smoe.vault.convert import ConvertOptions, convert
+from tests.conftest import tiny_vault
 
 
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory):
     root = tmp_path_factory.mktemp("tel")
-    return convert(
-        synthesize(root / "src", arch="qwen3_moe", preset="tiny", seed=5),
-        root / "v",
-        ConvertOptions(dtype="float32"),
-    )
+    return tiny_vault(root, seed=5)
 
 
 @pytest.mark.asyncio

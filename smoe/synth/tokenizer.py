@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import unicodedata
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
@@ -101,8 +102,9 @@ def corpus() -> list[str]:
     return _PROSE.splitlines() * 50 + filler
 
 
-def train(vocab_size: int) -> str:
-    """tokenizer.json text for a byte-level BPE with exactly `vocab_size` ids."""
+def train(vocab_size: int, texts: Iterable[str] | None = None) -> str:
+    """tokenizer.json text for a byte-level BPE with exactly `vocab_size` ids, trained on
+    ``texts`` (default: the built-in corpus(); the demo model passes its own text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -114,7 +116,7 @@ def train(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer)
     # Every id the model can emit must decode, so fill any shortfall with reserved tokens.
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from smoe.synth.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, save
+from smoe.synth.tokenizer import CHAT_TEMPLATE, save
+from smoe.synth.tokenizer import train as train_tokenizer
 
 VOCAB = 4096
 HELD_OUT_EVERY, HELD_OUT_AT = 25, 12
@@ -163,24 +164,6 @@ def conversation(train: list[list[dict]], ch: list[dict], rng: random.Random) ->
     return "".join(f"<|im_start|>{t['role']}\n{t['content']}<|im_end|>\n" for t in turns)
 
 
-def train_tokenizer(texts: list[str]) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    if tok.get_vocab_size() != VOCAB:
-        raise SystemExit(f"tokenizer has {tok.get_vocab_size()} ids, wanted {VOCAB}")
-    return tok.to_str(pretty=True)
-
-
 def main(work_dir: str, seed: str = "0") -> None:
     from tokenizers import Tokenizer
 
@@ -189,7 +172,7 @@ def main(work_dir: str, seed: str = "0") -> None:
     texts = [v["text"] for ch in train for v in ch]
     tok_dir = work / "tokenizer"
     tok_dir.mkdir(exist_ok=True)
-    tokenizer_json = train_tokenizer(texts + list(GREETINGS) * 20)
+    tokenizer_json = train_tokenizer(VOCAB, texts + list(GREETINGS) * 20)
     save(tok_dir, tokenizer_json, max_length=2048)
     tok = Tokenizer.from_str(tokenizer_json)
     rng = random.Random(int(seed))
