@@ -5,7 +5,9 @@ whose text is not what its ids decode to is never taken for ours."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,19 @@ class Running(serving.Running):
     def last(self) -> Any:
         """The prefix cache's newest entry: the last request's sequence (and reply)."""
         return self.server.cache.entries[0]
+
+
+@contextlib.asynccontextmanager
+async def pair(vault: Any, monkeypatch: Any) -> AsyncIterator[tuple[Any, Running, Running]]:
+    """(tokenizer, server, reference) on one engine, the tokenizer made byte-level so that
+    a reply's text never tokenizes back to the ids generated."""
+    async with Engine.open(vault.path) as engine:
+        byte_level(engine.tokenizer, monkeypatch)
+        async with (
+            Running(engine, ServerOptions()) as srv,
+            Running(engine, ServerOptions(), reuse=False) as ref,
+        ):
+            yield engine.tokenizer, srv, ref
 
 
 @dataclass
@@ -166,74 +181,62 @@ async def test_a_reply_sent_back_prefills_only_the_new_turn(vault, monkeypatch, 
     generated ids: the follow-up prefills exactly the new turn's tokens (template tokens
     included), twice in a row, and its output is the model's for those ids, token for
     token (a server that reuses nothing, given the ids)."""
-    async with Engine.open(vault.path) as engine:
-        tok = engine.tokenizer
-        byte_level(tok, monkeypatch)
-        async with (
-            Running(engine, ServerOptions()) as srv,
-            Running(engine, ServerOptions(), reuse=False) as ref,
-        ):
-            messages = list(USER)
-            reply = await chat(srv, messages, stream)
-            for turn, question in enumerate(["More.", "Why?"]):
-                assert srv.last().reply is not None, "the premise: the reply is kept as ours"
-                ours = stream_of(srv, reply)
-                generated = ours[reply.usage["prompt_tokens"] :]
-                assert tok.encode(reply.text) != generated[: reply.usage["completion_tokens"]]
-                follow = [
-                    *messages,
-                    {"role": "assistant", "content": reply.text},
-                    {"role": "user", "content": question},
-                ]
-                # templated whole, the prompt would part from the stream inside the reply
-                assert common_prefix(templated(tok, follow), ours) < len(ours) - 1
-                new = new_turn(tok, messages, follow[-1:], ended=reply.finish == "stop")
-                before = await srv.stats()
-                got = await chat(srv, follow, stream, temperature=0.8, seed=3 + turn)
-                after = await srv.stats()
-                assert got.usage["prompt_tokens"] == len(ours) + len(new)
-                assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(new)
-                assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours) - 1
-                assert after["prefix_cache"]["reply_follow_ups"] == turn + 1
-                prompt = [*ours, *new]
-                assert stream_of(srv, got)[: len(prompt)] == prompt
-                want = await complete(ref, prompt, temperature=0.8, seed=3 + turn)
-                assert (got.text, got.finish) == (want.text, want.finish)
-                assert stream_of(srv, got) == stream_of(ref, want)  # the same ids
-                messages, reply = follow, got
-            assert (await ref.stats())["prefix_reused_tokens"] == 0
+    async with pair(vault, monkeypatch) as (tok, srv, ref):
+        messages = list(USER)
+        reply = await chat(srv, messages, stream)
+        for turn, question in enumerate(["More.", "Why?"]):
+            assert srv.last().reply is not None, "the premise: the reply is kept as ours"
+            ours = stream_of(srv, reply)
+            generated = ours[reply.usage["prompt_tokens"] :]
+            assert tok.encode(reply.text) != generated[: reply.usage["completion_tokens"]]
+            follow = [
+                *messages,
+                {"role": "assistant", "content": reply.text},
+                {"role": "user", "content": question},
+            ]
+            # templated whole, the prompt would part from the stream inside the reply
+            assert common_prefix(templated(tok, follow), ours) < len(ours) - 1
+            new = new_turn(tok, messages, follow[-1:], ended=reply.finish == "stop")
+            before = await srv.stats()
+            got = await chat(srv, follow, stream, temperature=0.8, seed=3 + turn)
+            after = await srv.stats()
+            assert got.usage["prompt_tokens"] == len(ours) + len(new)
+            assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(new)
+            assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours) - 1
+            assert after["prefix_cache"]["reply_follow_ups"] == turn + 1
+            prompt = [*ours, *new]
+            assert stream_of(srv, got)[: len(prompt)] == prompt
+            want = await complete(ref, prompt, temperature=0.8, seed=3 + turn)
+            assert (got.text, got.finish) == (want.text, want.finish)
+            assert stream_of(srv, got) == stream_of(ref, want)  # the same ids
+            messages, reply = follow, got
+        assert (await ref.stats())["prefix_reused_tokens"] == 0
 
 
 async def test_a_reply_the_model_ended_is_continued_without_its_end(vault, monkeypatch):
     """The model ends its turn (here with an id made an end of turn for the test, whose
     text the template does not write): the reply's ids are continued, then the template's
     own end of turn; the new turn alone is prefilled, and the output is the model's."""
-    async with Engine.open(vault.path) as engine:
-        tok = engine.tokenizer
-        byte_level(tok, monkeypatch)
-        async with (
-            Running(engine, ServerOptions()) as srv,
-            Running(engine, ServerOptions(), reuse=False) as ref,
-        ):
-            full = await chat(srv, USER, False)
-            n = full.usage["completion_tokens"]
-            generated = stream_of(srv, full, n)[-n:]
-            end = next(j for j in range(2, n) if generated[j] not in generated[:j])
-            monkeypatch.setattr(tok, "eos_token_ids", {*tok.eos_token_ids, generated[end]})
-            first = await chat(srv, USER, False)
-            assert (first.finish, first.usage["completion_tokens"]) == ("stop", end)
-            assert first.text == tok.decode(generated[:end])
-            kept = srv.last().reply
-            prompt = first.usage["prompt_tokens"]
-            assert kept is not None and kept.end == prompt + end + 1  # the end id is in it
-            ours = stream_of(srv, first, end)
-            follow = [*USER, {"role": "assistant", "content": first.text}, *USER]
-            new = new_turn(tok, USER, USER, ended=False)  # the template's end of turn
-            got = await chat(srv, follow, False)
-            assert got.usage["prompt_tokens"] == len(ours) + len(new)
-            assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours)
-            want = await complete(ref, [*ours, *new])
-            assert (got.text, got.finish) == (want.text, want.finish)
+    async with pair(vault, monkeypatch) as (tok, srv, ref):
+        full = await chat(srv, USER, False)
+        n = full.usage["completion_tokens"]
+        generated = stream_of(srv, full, n)[-n:]
+        end = next(j for j in range(2, n) if generated[j] not in generated[:j])
+        monkeypatch.setattr(tok, "eos_token_ids", {*tok.eos_token_ids, generated[end]})
+        first = await chat(srv, USER, False)
+        assert (first.finish, first.usage["completion_tokens"]) == ("stop", end)
+        assert first.text == tok.decode(generated[:end])
+        kept = srv.last().reply
+        prompt = first.usage["prompt_tokens"]
+        assert kept is not None and kept.end == prompt + end + 1  # the end id is in it
+        ours = stream_of(srv, first, end)
+        follow = [*USER, {"role": "assistant", "content": first.text}, *USER]
+        new = new_turn(tok, USER, USER, ended=False)  # the template's end of turn
+        got = await chat(srv, follow, False)
+        assert got.usage["prompt_tokens"] == len(ours) + len(new)
+        assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours)
+        want = await complete(ref, [*ours, *new])
+        assert (got.text, got.finish) == (want.text, want.finish)
 
 
 async def test_what_is_kept_of_a_reply(vault):
@@ -338,30 +341,24 @@ async def test_a_reply_whose_text_is_not_what_its_ids_decode_to_is_not_kept(
     """mlx-lm's detokenizer drops the leading space of a reply's first token: the client
     gets a text its ids do not decode to. The server keeps no reply for it, so neither that
     text nor the ids' own text (never sent) is continued from those ids."""
-    async with Engine.open(vault.path) as engine:
-        tok = engine.tokenizer
-        byte_level(tok, monkeypatch)
-        async with (
-            Running(engine, ServerOptions()) as srv,
-            Running(engine, ServerOptions(), reuse=False) as ref,
-        ):
-            history = [{"role": "user", "content": "No"}]
-            for sent in (lambda t: t, lambda t: " " + t):
-                first = await chat(srv, history, stream)
-                n = first.usage["completion_tokens"]
-                decoded = tok.decode(stream_of(srv, first, n)[-n:])
-                assert decoded == " " + first.text  # the premise: the space was dropped
-                assert srv.last().reply is None
-                follow = [
-                    *history,
-                    {"role": "assistant", "content": sent(first.text)},
-                    {"role": "user", "content": "And then?"},
-                ]
-                got = await chat(srv, follow, stream)
-                want = await chat(ref, follow, False)
-                assert got.usage["prompt_tokens"] == len(templated(tok, follow))
-                assert (got.text, got.finish) == (want.text, want.finish)
-            assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 0
+    async with pair(vault, monkeypatch) as (tok, srv, ref):
+        history = [{"role": "user", "content": "No"}]
+        for sent in (lambda t: t, lambda t: " " + t):
+            first = await chat(srv, history, stream)
+            n = first.usage["completion_tokens"]
+            decoded = tok.decode(stream_of(srv, first, n)[-n:])
+            assert decoded == " " + first.text  # the premise: the space was dropped
+            assert srv.last().reply is None
+            follow = [
+                *history,
+                {"role": "assistant", "content": sent(first.text)},
+                {"role": "user", "content": "And then?"},
+            ]
+            got = await chat(srv, follow, stream)
+            want = await chat(ref, follow, False)
+            assert got.usage["prompt_tokens"] == len(templated(tok, follow))
+            assert (got.text, got.finish) == (want.text, want.finish)
+        assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 0
 
 
 # ------------------------------------------------------------------ (c) stop strings
@@ -379,62 +376,55 @@ async def test_a_reply_cut_by_a_stop_string(vault, monkeypatch, stream):
     only (the reply's ids were all run), with the model's output for those ids. One that
     cuts inside a token: the text is no ids' text, nothing is kept, the follow-up is
     templated whole."""
-    async with Engine.open(vault.path) as engine:
-        tok = engine.tokenizer
-        byte_level(tok, monkeypatch)
-        async with (
-            Running(engine, ServerOptions()) as srv,
-            Running(engine, ServerOptions(), reuse=False) as ref,
-        ):
-            full = await chat(srv, USER, stream, max_tokens=16)
-            n = full.usage["completion_tokens"]
-            generated = stream_of(srv, full, n)[-n:]
-            text = tok.decode(generated)
-            assert text == full.text
-            ends = boundaries(tok, generated)
-            # a stop string at a token's start: that token's text, first found there
-            j = next(
-                j
-                for j in range(2, n)
-                if (piece := tok.decode(generated[j : j + 1])).strip()
-                and text.find(piece) == ends[j]
-            )
-            stop = tok.decode(generated[j : j + 1])
-            cut = await chat(srv, USER, stream, max_tokens=16, stop=[stop])
-            assert (cut.text, cut.finish) == (text[: ends[j]], "stop")
-            kept = srv.last().reply
-            assert kept is not None and kept.end == cut.usage["prompt_tokens"] + j
-            ours = stream_of(srv, cut, j)
-            follow = [*USER, {"role": "assistant", "content": cut.text}, *USER]
-            new = new_turn(tok, USER, USER, ended=False)
-            assert new[0] == tok._tokenizer.convert_tokens_to_ids("<|im_end|>")
-            before = await srv.stats()
-            got = await chat(srv, follow, stream)
-            after = await srv.stats()
-            assert got.usage["prompt_tokens"] == len(ours) + len(new)
-            assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours)
-            assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(new) - 1
-            want = await complete(ref, [*ours, *new])
-            assert (got.text, got.finish) == (want.text, want.finish)
+    async with pair(vault, monkeypatch) as (tok, srv, ref):
+        full = await chat(srv, USER, stream, max_tokens=16)
+        n = full.usage["completion_tokens"]
+        generated = stream_of(srv, full, n)[-n:]
+        text = tok.decode(generated)
+        assert text == full.text
+        ends = boundaries(tok, generated)
+        # a stop string at a token's start: that token's text, first found there
+        j = next(
+            j
+            for j in range(2, n)
+            if (piece := tok.decode(generated[j : j + 1])).strip() and text.find(piece) == ends[j]
+        )
+        stop = tok.decode(generated[j : j + 1])
+        cut = await chat(srv, USER, stream, max_tokens=16, stop=[stop])
+        assert (cut.text, cut.finish) == (text[: ends[j]], "stop")
+        kept = srv.last().reply
+        assert kept is not None and kept.end == cut.usage["prompt_tokens"] + j
+        ours = stream_of(srv, cut, j)
+        follow = [*USER, {"role": "assistant", "content": cut.text}, *USER]
+        new = new_turn(tok, USER, USER, ended=False)
+        assert new[0] == tok._tokenizer.convert_tokens_to_ids("<|im_end|>")
+        before = await srv.stats()
+        got = await chat(srv, follow, stream)
+        after = await srv.stats()
+        assert got.usage["prompt_tokens"] == len(ours) + len(new)
+        assert got.usage["prompt_tokens_details"]["cached_tokens"] == len(ours)
+        assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(new) - 1
+        want = await complete(ref, [*ours, *new])
+        assert (got.text, got.finish) == (want.text, want.finish)
 
-            # a stop string that begins inside a token, first found there
-            k, start = next(
-                (k, s)
-                for k in range(1, n)
-                for s in range(ends[k] + 1, ends[k + 1])
-                if text.find(text[s : s + 3]) == s and len(text[s : s + 3]) == 3
-            )
-            stop = text[start : start + 3]
-            assert start not in ends
-            cut = await chat(srv, USER, stream, max_tokens=16, stop=[stop])
-            assert (cut.text, cut.finish) == (text[:start], "stop")
-            assert srv.last().reply is None
-            follow = [*USER, {"role": "assistant", "content": cut.text}, *USER]
-            got = await chat(srv, follow, stream)
-            want = await chat(ref, follow, False)
-            assert got.usage["prompt_tokens"] == len(templated(tok, follow))
-            assert (got.text, got.finish) == (want.text, want.finish)
-            assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 1  # the first
+        # a stop string that begins inside a token, first found there
+        k, start = next(
+            (k, s)
+            for k in range(1, n)
+            for s in range(ends[k] + 1, ends[k + 1])
+            if text.find(text[s : s + 3]) == s and len(text[s : s + 3]) == 3
+        )
+        stop = text[start : start + 3]
+        assert start not in ends
+        cut = await chat(srv, USER, stream, max_tokens=16, stop=[stop])
+        assert (cut.text, cut.finish) == (text[:start], "stop")
+        assert srv.last().reply is None
+        follow = [*USER, {"role": "assistant", "content": cut.text}, *USER]
+        got = await chat(srv, follow, stream)
+        want = await chat(ref, follow, False)
+        assert got.usage["prompt_tokens"] == len(templated(tok, follow))
+        assert (got.text, got.finish) == (want.text, want.finish)
+        assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 1  # the first
 
 
 # ------------------------------------------------------------------ the cache itself
