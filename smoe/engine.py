@@ -32,8 +32,8 @@ from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.ring_plan import current_device, plan_ring
-from smoe.sched.hints import default_hint_depth, split_policy_name
-from smoe.sched.policy import PinnedHot
+from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
+from smoe.sched.policy import POLICIES, PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
@@ -98,6 +98,48 @@ class EngineOptions:
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def check(self, top_k: int, num_experts: int) -> None:
+        """Refuse any option that cannot work with a model routing ``top_k`` of
+        ``num_experts`` experts per layer (SmoeError naming the fix), before the engine
+        takes a resource: no file, thread or ring is left behind by a bad option."""
+        if self.prefill_chunk < 1:
+            raise SmoeError("prefill_chunk must be at least 1")
+        if self.max_batch < 1:
+            raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
+        if self.workers < 1:
+            raise SmoeError("workers must be at least 1")
+        if self.read_parts is not None and self.read_parts < 1:
+            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise SmoeError(
+                f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16"
+            )
+        if self.device is not None and self.device not in ("cpu", "gpu"):
+            raise SmoeError(f"device must be cpu or gpu, not {self.device!r}")
+        if self.ring not in ("auto", "unified", "staged"):
+            raise SmoeError(f"ring must be auto, unified or staged, not {self.ring!r}")
+        if not 0 <= self.spec <= num_experts - top_k:
+            raise SmoeError(
+                f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
+                f"routing {top_k} of {num_experts} experts"
+            )
+        base, hinted = split_policy_name(self.policy)
+        if base not in POLICIES:
+            names = ", ".join(sorted(POLICIES))
+            raise SmoeError(f"unknown policy {self.policy!r}; choose one of {names}")
+        if hinted and not takes_hints(POLICIES[base]):
+            raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
+        if not hinted and self.hint_depth is not None:
+            raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
+        if hinted and not top_k < self.hint_depth_for(top_k, num_experts) <= num_experts:
+            raise SmoeError(f"hint_depth must lie in {top_k + 1}..{num_experts}")
+
+    def hint_depth_for(self, top_k: int, num_experts: int) -> int:
+        """The gate ranks a '+hint' policy is fed: hint_depth, else 4 x top_k."""
+        if self.hint_depth is not None:
+            return self.hint_depth
+        return default_hint_depth(top_k, num_experts)
+
 
 class Engine:
     """A vault opened for inference. Create with ``Engine.open`` and use as ``async with``."""
@@ -123,19 +165,10 @@ class Engine:
 
         m = self.vault.manifest
         o = self.options
+        top_k = int(m.topology["experts_per_token"])
+        o.check(top_k, m.num_experts)  # every option, before any resource is taken
         self._device = self._choose_device()
-        if o.prefill_chunk < 1:
-            raise SmoeError("prefill_chunk must be at least 1")
-        if o.max_batch < 1:
-            raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
-        if o.workers < 1:
-            raise SmoeError("workers must be at least 1")
-        if o.read_parts is not None and o.read_parts < 1:
-            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
-        name = o.dtype or ("bfloat16" if self._device == mx.gpu else "float32")
-        if name not in ("float32", "bfloat16", "float16"):
-            raise SmoeError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
-        self.dtype = getattr(mx, name)
+        self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         plan = plan_ring(
             self.vault,
             requested=o.ring,
@@ -162,8 +195,6 @@ class Engine:
                 policy = PinnedHot.from_counts(
                     self.popularity.as_mapping(), self.ring.num_slots // 2
                 )
-            if not hinted and o.hint_depth is not None:
-                raise SmoeError(f"hint_depth needs a '+hint' policy, not '{o.policy}'")
             self.scheduler = ExpertScheduler(
                 self.ring.num_slots,
                 self.reader,
@@ -180,15 +211,7 @@ class Engine:
             )
             loop = asyncio.get_running_loop()
             if hinted:
-                if not self.scheduler.takes_hints:
-                    raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
-                k = int(m.topology["experts_per_token"])
-                depth = o.hint_depth or 0
-                if o.hint_depth is None:
-                    depth = default_hint_depth(k, m.num_experts)
-                if not k < depth <= m.num_experts:
-                    raise SmoeError(f"hint_depth must lie in {k + 1}..{m.num_experts}")
-                self.tracer.hint_depth = depth
+                self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
                 self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
                     self.scheduler.hint, layer, experts
                 )
@@ -224,8 +247,6 @@ class Engine:
         name = self.options.device
         if name is None:
             return mx.default_device()
-        if name not in ("cpu", "gpu"):
-            raise SmoeError(f"device must be cpu or gpu, not {name!r}")
         device = getattr(mx, name)
         if not mx.is_available(device):
             raise SmoeError(

@@ -110,6 +110,20 @@ def make_hf_checkpoint(out: Path, arch: str, seed: int = 0, **overrides) -> Path
     return out
 
 
+def pytest_asyncio_loop_factories(config, item):
+    """Every async test runs twice: on asyncio's own loop and on uvloop, the loop every
+    `smoe` command runs on (smoe.aio)."""
+    import asyncio
+
+    from smoe.aio import loop_factory
+
+    factories = {"asyncio": asyncio.new_event_loop}
+    uv = loop_factory()
+    if uv is not None:
+        factories["uvloop"] = uv
+    return factories
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
     """Factory: a cached transformers checkpoint per arch (built once per session)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import numpy as np
 import pytest
@@ -184,11 +185,53 @@ def test_cli_generate_json(vault, run_cli):
         ([], "exactly one of --prompt"),
         (["--prompt-ids", "1,2", "--hint-depth", "6"], "needs a '+hint' policy"),
         (["--prompt-ids", "1,2", "--policy", "arc+hint"], "takes no hints"),
+        (["--prompt-ids", "1,2", "--policy", "bogus"], "unknown policy 'bogus'"),
+        (["--prompt-ids", "1,2", "--spec", "-1"], "spec (gate-echo bets) must lie in 0..6"),
+        (["--prompt-ids", "1,2", "--workers", "0"], "workers must be at least 1"),
+        (["--prompt-ids", "1,2", "--prefill-chunk", "0"], "prefill_chunk must be at least 1"),
     ],
 )
 def test_cli_generate_errors(vault, run_cli, args, needle):
     code, _, err = run_cli("generate", vault.path, *args)
     assert code == 2 and needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+BAD_OPTIONS = [
+    {"policy": "bogus"},
+    {"policy": "arc+hint"},
+    {"policy": "lru+hint", "hint_depth": 99},
+    {"hint_depth": 4},
+    {"spec": -1},
+    {"spec": 100},
+    {"workers": 0},
+    {"read_parts": 0},
+    {"max_batch": 0},
+    {"prefill_chunk": 0},
+    {"dtype": "float8"},
+    {"device": "tpu"},
+    {"ring": "elsewhere"},
+    {"memory": "lots"},
+    {"memory": "1KB"},
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("options", BAD_OPTIONS, ids=lambda o: ",".join(map(str, o.values())))
+async def test_a_bad_option_leaves_nothing_open(vault, options):
+    """Every bad option is a SmoeError, raised before the engine holds a file, a thread or
+    a ring: the process's open descriptors and threads are the same after as before."""
+    import threading
+
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before_fds, before_threads = open_fds(), threading.active_count()
+    with pytest.raises(SmoeError):
+        async with Engine.open(vault.path, **options):
+            pass
+    assert open_fds() <= before_fds
+    assert threading.active_count() <= before_threads
 
 
 @pytest.mark.asyncio

@@ -104,7 +104,7 @@ async def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
 @pytest.mark.parametrize("bits", [4, 8, 16])
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
@@ -171,7 +171,7 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
     assert not wrong, (wrong, want_tokens)  # every ring is measured and reported first
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
 async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models):
     """1,000 greedy tokens at the minimum ring (every layer's experts rewritten into the
     same few device slots, reads completing in shuffled order) against every expert

@@ -10,6 +10,7 @@ ids. The block then combines the outputs exactly as it would in memory.
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -93,9 +94,14 @@ class LayerTrace:
     resident: int = 0  # experts already READY when asked for (computed while misses load)
 
 
+# The newest MoE calls a Tracer keeps (tests and benchmarks read them); a server running
+# for days keeps no more than this.
+CALLS_KEPT = 8192
+
+
 @dataclass
 class Tracer:
-    calls: list[LayerTrace] = field(default_factory=list)
+    calls: deque[LayerTrace] = field(default_factory=lambda: deque(maxlen=CALLS_KEPT))
     on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
     recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
     phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
