@@ -20,9 +20,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(
-    tmp_path, monkeypatch
-):
+async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(streaming, "CALLS_KEPT", 1000)  # the real cap (8,192) bounds alike
     vault = tiny_vault(tmp_path, seed=5)
     layers = len(vault.manifest.layers)
