@@ -233,6 +233,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
+    import anyio
+
     from smoe.engine import Engine
     from smoe.units import format_bytes
 
@@ -269,7 +271,9 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
         stats["ring_bytes"] = engine.ring.nbytes
         if args.routing_archive:
-            stats["routing_archive"] = str(engine.stop_recording().save(args.routing_archive))
+            archive = engine.stop_recording()  # compressed and fsynced off the event loop
+            saved = await anyio.to_thread.run_sync(archive.save, args.routing_archive)
+            stats["routing_archive"] = str(saved)
     if args.json:
         print(
             json.dumps(

@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiofiles.os
+import anyio
 import numpy as np
 
 from smoe.compute.runner import SamplingParams, Sequence_
@@ -267,7 +269,8 @@ class Conversation:
             "system": json.dumps(self.system),
             "messages": json.dumps(self.messages),
         }
-        sweep_stale(path.parent, suffix=".safetensors")  # what saves killed before left
+        # What saves killed before left; a directory listing, off the event loop.
+        await anyio.to_thread.run_sync(lambda: sweep_stale(path.parent, suffix=".safetensors"))
         seq = self._seq
 
         def write(tmp: Path) -> None:
@@ -302,10 +305,11 @@ class Conversation:
         from mlx_lm.models.cache import load_prompt_cache
 
         path = Path(path)
-        if not path.exists() and path.with_name(path.name + ".safetensors").exists():
-            path = path.with_name(path.name + ".safetensors")
-
-        if not path.is_file():
+        suffixed = path.with_name(path.name + ".safetensors")
+        # Checked with aiofiles: a slow or network file system does not stall the loop.
+        if not await aiofiles.os.path.exists(path) and await aiofiles.os.path.exists(suffixed):
+            path = suffixed
+        if not await aiofiles.os.path.isfile(path):
             raise SmoeError(f"{path} does not exist")
 
         def read() -> tuple[list[Any], dict[str, str]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 
 from smoe.batcher import Batcher, Meter, Ticket
@@ -180,7 +181,7 @@ class Engine:
             max_context=o.max_context,
         )
         # The backbone is untrusted: hash it (once per change of the file) before loading it.
-        await asyncio.to_thread(self.vault.verify_backbone)
+        await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
         try:
             self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
@@ -342,10 +343,12 @@ class Engine:
             self.ring.close()  # a read waiting for a landing buffer gives up
         if hasattr(self, "scheduler"):
             await self.scheduler.close()
+        # Joining the I/O threads and saving the popularity counts (which waits for other
+        # processes' lock and fsyncs) happen off the loop: other tasks keep running.
         if hasattr(self, "reader"):
-            self.reader.close()
+            await anyio.to_thread.run_sync(self.reader.close)
         if hasattr(self, "popularity"):
-            self.popularity.save()
+            await anyio.to_thread.run_sync(self.popularity.save)
         self._opened = False
         # The model and its caches go now, not whenever a user's reference to us does.
         for name in ("runner", "batcher"):

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
+
 from smoe.io.ring import ExpertRing
 from smoe.sched.scheduler import ExpertScheduler, Reservation
 
@@ -200,4 +202,4 @@ class ComputeThread:
 
     async def close(self) -> None:
         # Wait in another thread: a running job may still need the loop for its slots.
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        await anyio.to_thread.run_sync(self._pool.shutdown, True)
