@@ -569,7 +569,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 def cmd_bench_policy(args: argparse.Namespace) -> int:
     from smoe.bench.policy import main as policy_main
 
-    return policy_main(args.rest)
+    return policy_main(args.rest, prog="smoe bench policy")
 
 
 def cmd_bench_locality(args: argparse.Namespace) -> int:
@@ -852,8 +852,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a routing archive or a synthetic trace against eviction "
         "policies and Belady's optimum (--help for options)",
     )
-    bp.add_argument("rest", nargs=argparse.REMAINDER)
-    bp.set_defaults(func=cmd_bench_policy)
+    # Its options are smoe.bench.policy's own: main() hands it what this parser does not know.
+    bp.set_defaults(func=cmd_bench_policy, passthrough=True)
     bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
     bl.add_argument("archive", type=Path)
     bl.set_defaults(func=cmd_bench_locality)
@@ -880,16 +880,12 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up temp output on kill too
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "policy"]:  # its own option parser (smoe.bench.policy)
-        from smoe.bench.policy import main as policy_main
-
-        try:
-            return policy_main(argv[2:])
-        except SmoeError as e:
-            print(f"smoe bench policy: error: {e}", file=sys.stderr)
-            return e.exit_code
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.func(args))
     except SmoeError as e:

@@ -144,3 +144,34 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "not a directory" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--preset", "nope"], "unknown trace preset 'nope'"),
+        (["--preset", "qwen3-30b-like", "--set", "bogus=1"], "'bogus' does not exist"),
+        (["--preset", "qwen3-30b-like", "--set", "keep=abc"], "give FIELD=NUMBER"),
+        (["/nonexistent.npz"], "cannot read routing archive"),
+        ([], "give an archive or --preset"),
+    ],
+)
+def test_bench_policy_bad_input(run_cli, capsys, args, needle):
+    try:
+        code, _, err = run_cli("bench", "policy", *args)
+    except SystemExit as e:  # argparse's own errors: usage line, then the error line
+        code, err = int(e.code or 0), capsys.readouterr().err.splitlines()[-1]
+    assert_clean_error(code, err, needle)
+
+
+def test_bench_policy_help_names_the_command(run_cli, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("bench", "policy", "--help")
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: smoe bench policy")
+
+
+def test_an_unknown_option_is_refused(run_cli):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("generate", "V", "--bogus")
+    assert exit_.value.code == 2

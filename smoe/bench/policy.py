@@ -360,9 +360,9 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.policy") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m smoe.bench.policy",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -428,8 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.preset:
         from smoe.telemetry.traces import preset_trace
 
-        fields = dict(item.split("=", 1) for item in args.set)
-        overrides = {k: float(v) if "." in v or "e" in v else int(v) for k, v in fields.items()}
+        overrides = {}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            try:
+                overrides[key] = float(value) if "." in value or "e" in value else int(value)
+            except ValueError:
+                ap.error(f"--set {item}: give FIELD=NUMBER, e.g. drift_tokens=64")
         archive = preset_trace(
             args.preset, args.tokens, seed=args.seed, layers=args.layers, **overrides
         )

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from smoe.errors import SmoeError
 from smoe.telemetry.archive import DECODE, RoutingArchive
 
 _LIFT = 1e6  # far above any log weight + Gumbel noise
@@ -161,11 +162,17 @@ def preset_trace(
     try:
         params = PRESETS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown trace preset '{name}'; choose one of {sorted(PRESETS)}"
+        raise SmoeError(
+            f"unknown trace preset '{name}'; choose one of {', '.join(sorted(PRESETS))}"
         ) from None
     if layers is not None:
         overrides["layers"] = layers
+    unknown = set(overrides) - set(asdict(params))
+    if unknown:
+        raise SmoeError(
+            f"trace parameter {sorted(unknown)[0]!r} does not exist; use one of "
+            f"{', '.join(sorted(asdict(params)))}"
+        )
     return generate(replace(params, **overrides), tokens, seed=seed, name=name)
 
 
