@@ -223,7 +223,7 @@ class Conversation:
                 pass
             return self.engine.runner.next_logits(seq)
 
-        async with self._busy, self.engine._lock:
+        async with self._busy, self.engine.exclusive():
             return await self.engine.compute.run(run)
 
     def _check_context(self, prompt: list[int], max_tokens: int) -> None:
@@ -245,7 +245,7 @@ class Conversation:
             other._reply_end = self._reply_end
             if self._seq is not None:
                 seq = self._seq
-                async with self.engine._lock:
+                async with self.engine.exclusive():
                     other._seq = await self.engine.compute.run(self.engine.runner.copy, seq)
             return other
 
@@ -289,7 +289,7 @@ class Conversation:
 
         try:  # .chat.tmp-PID.safetensors: mlx appends .safetensors to a name without it
             with atomic_path(path, keep_suffix=True) as tmp:
-                async with self.engine._lock:
+                async with self.engine.exclusive():
                     await self.engine.compute.run(write, tmp)
         except OSError as e:
             raise SmoeError(
@@ -316,7 +316,7 @@ class Conversation:
             return load_prompt_cache(str(path), return_metadata=True)  # type: ignore[no-any-return]
 
         try:
-            async with engine._lock:
+            async with engine.exclusive():
                 cache, meta = await engine.compute.run(read)
         except Exception as e:  # a corrupt file: say so, keep the current chat
             raise SmoeError(f"{path} is not a readable conversation file ({e})") from None

@@ -13,6 +13,7 @@ one token's time). The engine stays usable; the next call starts once that step 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -436,6 +437,15 @@ class Engine:
         if self.tokenizer is None:
             raise SmoeError(f"{self.vault.path} has no tokenizer; pass token ids instead")
         return list(self.tokenizer.encode(text))
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the engine: no generation step or other compute job starts until the block
+        ends (the one in progress finishes first). For work on a sequence's cache outside a
+        generation (save, load, fork) and for tests that need the engine still. Cancelling
+        the wait for it raises CancelledError and holds nothing."""
+        async with self._lock:
+            yield
 
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other

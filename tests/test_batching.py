@@ -123,7 +123,7 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
         ]
         assert engine.batcher.step_rows == engine.batcher.steps  # really one at a time
     async with Engine.open(vault.path, slots=2 * top_k) as engine:
-        async with engine._lock:  # all four are queued before the first is admitted
+        async with engine.exclusive():  # all four are queued before the first is admitted
             runs = [
                 asyncio.ensure_future(
                     collect(engine.generate(p, max_tokens=12, stop_at_eos=False, **kw))
@@ -145,7 +145,7 @@ async def test_generation_stats_report_the_batch(vaults):
         return events[-1].stats
 
     async with Engine.open(vault.path) as engine:
-        async with engine._lock:
+        async with engine.exclusive():
             runs = [asyncio.ensure_future(last(p)) for p in ps]
             await asyncio.sleep(0)
             assert engine.batcher.queued == 2

@@ -12,6 +12,7 @@ token for token on a decisive synthetic model.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections import Counter
 from pathlib import Path
@@ -286,8 +287,9 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
         for slots in (5, 12):
             log: list = []
             async with Engine.open(vault.path, slots=slots, workers=4) as engine:
-                shuffled = ShuffledReads(engine.scheduler._backend, seed, log)
-                engine.scheduler._backend = shuffled
+                shuffled = engine.scheduler.wrap_backend(
+                    functools.partial(ShuffledReads, seed=seed, log=log)
+                )
                 engine.tracer.on_routing = log_routing(log)
                 assert np.array_equal(await engine.logits(prompt), want), (seed, slots)
                 step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
@@ -430,7 +432,7 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
     """engine.logits(prompt) on a fresh engine; returns (scheduler stats, traces, calls)."""
     log: list = []
     async with Engine.open(vault.path, **options) as engine:
-        engine.scheduler._backend = RecordingReads(engine.scheduler._backend, log)
+        engine.scheduler.wrap_backend(lambda inner: RecordingReads(inner, log))
         engine.tracer.on_routing = log_routing(log)
         await engine.logits(prompt)
         stats, traces = engine.scheduler.stats, engine.tracer.calls
@@ -517,8 +519,7 @@ async def test_the_staged_ring_is_bit_identical_at_every_budget_under_shuffled_r
     for seed, slots in enumerate((top_k_of(vault), m.num_records // 2, m.num_records)):
         async with Engine.open(vault.path, slots=slots, ring="staged") as engine:
             assert engine.ring.kind == "staged" and engine.ring.num_slots == slots
-            shuffled = ShuffledReads(engine.scheduler._backend, seed, [])
-            engine.scheduler._backend = shuffled
+            engine.scheduler.wrap_backend(functools.partial(ShuffledReads, seed=seed, log=[]))
             assert np.array_equal(await engine.logits(prompt), want), slots
             step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
             for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):

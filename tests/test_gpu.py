@@ -184,8 +184,9 @@ async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models
         want = await generate(engine, prompt, n)
     top_k = int(m.topology["experts_per_token"])
     async with Engine.open(vault.path, slots=top_k, workers=4, **ENGINE) as engine:
-        shuffled = ShuffledReads(engine.scheduler._backend, 0, [], slow=0.0)
-        engine.scheduler._backend = shuffled
+        shuffled = engine.scheduler.wrap_backend(
+            lambda inner: ShuffledReads(inner, 0, [], slow=0.0)
+        )
         got = await generate(engine, prompt, n)
         commits = engine.ring.commits
     wrong = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]

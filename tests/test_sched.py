@@ -221,7 +221,7 @@ async def test_io_error_reaches_every_awaiter_and_leaks_nothing():
     assert sched.stats.misses == 2 and sched.stats.hits == 1  # errors are not misses
     assert sched.state_of((2, 7)) is SlotState.EMPTY
     assert sched.state_of((2, 1)) is SlotState.READY  # cached, unpinned
-    assert all(s.pins == 0 for s in sched._slots)
+    assert all(pins == 0 for _, _, pins in sched.slot_table())
     sched.check_invariants()
     be.auto = True
     assert await sched.acquire(2, [7])  # a later request reads it again
@@ -251,7 +251,7 @@ async def test_a_failed_wait_releases_nothing_its_holder_releases_once():
     sched.check_invariants()
     res.release()
     res.release()  # a finally after an early release: nothing more
-    assert sched.holders() == {} and all(s.pins == 0 for s in sched._slots)
+    assert sched.holders() == {} and all(pins == 0 for _, _, pins in sched.slot_table())
     assert sched.state_of((2, 3)) is SlotState.READY
     with pytest.raises(RuntimeError, match="released more often than pinned"):
         sched.release(res.slots, owner)  # checked also under python -O: nothing changes
@@ -296,7 +296,7 @@ async def test_cancel_while_read_in_flight_keeps_the_record_cached():
     task.cancel()
     await settle()
     assert task.cancelled()
-    assert all(s.pins == 0 for s in sched._slots)
+    assert all(pins == 0 for _, _, pins in sched.slot_table())
     assert sched.state_of((0, 1)) is SlotState.LOADING  # the thread cannot be stopped
     be.complete(1)
     await settle()
@@ -415,10 +415,10 @@ async def test_a_hint_reads_pins_and_evicts_nothing():
     be.auto = True
     sched.release(await sched.acquire(0, [1, 2]))
     held = await sched.acquire(1, [5])
-    before = [(s.key, s.state, s.pins) for s in sched._slots]
+    before = sched.slot_table()
     assert sched.hint(0, [1, 2, 3, 3]) == 2  # 3 is not in the ring
     assert sched.hint(1, [5]) == 1  # pinned by another request: still just a hint
-    assert [(s.key, s.state, s.pins) for s in sched._slots] == before
+    assert sched.slot_table() == before
     assert be.started_records() == [1, 2, 105] and sched.stats.hits == 0
     sched.release(held)
     sched.check_invariants()
@@ -532,7 +532,7 @@ async def test_randomized_stress(seed, runway):
         await settle()
     await sched.close()
     sched.check_invariants()
-    assert all(s.pins == 0 for s in sched._slots)
+    assert all(pins == 0 for _, _, pins in sched.slot_table())
     assert outcomes["ok"] > 5, outcomes
 
 

@@ -63,8 +63,7 @@ async def test_api_key_and_queue_limits(vault):
             await srv.client("wrong").models.list()
         async with aiohttp.ClientSession() as http, http.get(srv.base + "/health") as r:
             assert r.status == 200  # health needs no key
-        await engine._lock.acquire()  # the engine is busy: nothing is admitted to the batch
-        try:
+        async with engine.exclusive():  # the engine is busy: nothing is admitted to the batch
             first = asyncio.create_task(
                 srv.client().chat.completions.create(model="smoe", messages=MESSAGES, max_tokens=2)
             )
@@ -73,8 +72,6 @@ async def test_api_key_and_queue_limits(vault):
                 await srv.client().chat.completions.create(
                     model="smoe", messages=MESSAGES, max_tokens=2
                 )
-        finally:
-            engine._lock.release()
         assert (await first).choices[0].finish_reason in ("stop", "length")
         r = await srv.client().chat.completions.create(
             model="smoe", messages=MESSAGES, max_tokens=2
@@ -175,7 +172,7 @@ async def test_concurrent_requests_are_batched_and_equal_solo(vault):
     ):
         solo = [await ask(srv, m) for m in asks]
     async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
-        async with engine._lock:  # let all four arrive before the first is admitted
+        async with engine.exclusive():  # let all four arrive before the first is admitted
             runs = [asyncio.ensure_future(ask(srv, m)) for m in asks]
             await until(lambda: engine.batcher.queued == len(asks))
         assert await asyncio.gather(*runs) == solo

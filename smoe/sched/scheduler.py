@@ -209,6 +209,17 @@ class ExpertScheduler:
         """Slots holding a record (READY or LOADING)."""
         return len(self._where)
 
+    def slot_table(self) -> list[tuple[Key | None, SlotState, int]]:
+        """(key, state, pins) of every slot, in slot order: a copy, for checks and tools."""
+        return [(s.key, s.state, s.pins) for s in self._slots]
+
+    def wrap_backend(self, wrap: Callable[[ReadBackend], ReadBackend]) -> ReadBackend:
+        """Put ``wrap(backend)`` between the scheduler and its reads (recording them,
+        delaying or reordering them, injecting faults); returns the new backend. Call it
+        while no read is in flight (before the first request)."""
+        self._backend = wrap(self._backend)
+        return self._backend
+
     # ----------------------------------------------------------------- demand
     async def acquire(
         self,
