@@ -152,6 +152,8 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
         (["--preset", "nope"], "unknown trace preset 'nope'"),
         (["--preset", "qwen3-30b-like", "--set", "bogus=1"], "'bogus' does not exist"),
         (["--preset", "qwen3-30b-like", "--set", "keep=abc"], "give FIELD=NUMBER"),
+        (["--preset", "qwen3-30b-like", "--set", "top_k=0"], "0 < top_k <= num_experts"),
+        (["--preset", "qwen3-30b-like", "--policies", "bogus"], "unknown policies ['bogus']"),
         (["/nonexistent.npz"], "cannot read routing archive"),
         ([], "give an archive or --preset"),
     ],

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from smoe.errors import SmoeError
 from smoe.sched.hints import default_hint_depth, runner_ups, takes_hints
 from smoe.sched.policy import POLICIES, PinnedHot
 from smoe.sched.replay import KeyStream, ReplayResult, Request, replay, replay_belady
@@ -195,7 +196,7 @@ def bench_policy(
     """
     unknown = [p for p in (*policies, *foresight_policies) if p not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
+        raise SmoeError(f"unknown policies {unknown}; choose from {', '.join(sorted(POLICIES))}")
     stream, spec, info = _stream(source, phase, hint_depth, lookahead, echo, prefill_as_decode)
     if record_bytes is None:
         meta = source.meta if isinstance(source, RoutingArchive) else {}

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from smoe.errors import VaultError
 from smoe.sched.hints import runner_ups
 
 
@@ -492,9 +493,9 @@ def ring_modules(original: nn.Module, banks: list[dict[str, Any]]) -> list[nn.Mo
     missing = names - set(banks[0])
     extra = set(banks[0]) - names
     if missing or extra:
-        raise ValueError(
+        raise VaultError(
             f"vault record components {sorted(banks[0])} do not match the model's expert "
-            f"parameters {sorted(names)}"
+            f"parameters {sorted(names)}; convert the model again with this S-MoE"
         )
     modules = []
     for i, arrays in enumerate(banks):

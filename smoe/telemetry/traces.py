@@ -56,9 +56,11 @@ class TraceParams:
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
-            raise ValueError("need 0 < top_k <= num_experts")
+            raise SmoeError(
+                f"trace needs 0 < top_k <= num_experts, not {self.top_k}/{self.num_experts}"
+            )
         if not 0.0 <= self.keep <= 1.0 or not 0.0 <= self.promote <= 1.0:
-            raise ValueError("keep and promote are probabilities")
+            raise SmoeError("trace parameters keep and promote are probabilities: 0..1")
 
 
 # Calibrated with calibrate(TraceParams(zipf=0.8, zipf_spread=0.3, drift_tokens=256),
