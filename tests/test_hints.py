@@ -1,6 +1,6 @@
 """Router hints in the live engine (``--policy lru+hint``): the output is unchanged, only the
 eviction order is; and a live run's misses equal the offline replay of the routing archive
-it recorded (``smoe.sched.replay`` with the same hints), so the simulator and the
+it recorded (``smoe.telemetry.replay`` with the same hints), so the simulator and the
 scheduler agree on engine data.
 
 On the built-in demo (32 experts top-4 in 6 layers, learned routing): a ring of 48 of its
@@ -17,9 +17,9 @@ from smoe.chat.demo import demo_vault
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.sched.hints import runner_ups, split_policy_name
-from smoe.sched.replay import replay
 from smoe.sched.types import Priority
 from smoe.telemetry.archive import DECODE, NO_EXPERT
+from smoe.telemetry.replay import replay
 
 SLOTS = 48  # a quarter of the demo's 192 records; its widest prefill request needs 32
 PROMPT = "And God said, Let there be light: and there was light."

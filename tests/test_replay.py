@@ -20,8 +20,8 @@ from smoe.sched.policy import (
     PinnedHot,
     make_policy,
 )
-from smoe.sched.replay import KeyStream, replay, replay_belady, replay_scheduler
 from smoe.sched.types import RingTooSmall
+from smoe.telemetry.replay import KeyStream, replay, replay_belady, replay_scheduler
 
 
 def single(seq: list[int], layer: int = 0) -> list[tuple[int, list[int]]]:

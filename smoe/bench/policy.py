@@ -3,7 +3,7 @@ routing archive (an engine's, or a synthetic one from smoe.telemetry.traces).
 
 Ring sizes are fractions of the trace's working set (distinct (layer, expert) keys: a ring
 that large never evicts). Every policy and Belady replay the same request stream with the
-engine's rules (smoe.sched.replay); "vs_belady" is a policy's misses / Belady's misses, so
+engine's rules (smoe.telemetry.replay); "vs_belady" is a policy's misses / Belady's misses, so
 1.15 means 15% more record reads than the offline optimum. The "hot" policy pins the most
 requested keys of the trace itself (hot_share x slots of them): a static pin profiled on
 the very trace it is scored on, i.e. an upper bound for a pin learned offline.
@@ -43,9 +43,9 @@ import numpy as np
 from smoe.errors import SmoeError
 from smoe.sched.hints import default_hint_depth, runner_ups, takes_hints
 from smoe.sched.policy import POLICIES, PinnedHot
-from smoe.sched.replay import KeyStream, ReplayResult, Request, replay, replay_belady
 from smoe.telemetry.archive import DECODE, NO_EXPERT, RoutingArchive
 from smoe.telemetry.locality import headline, locality
+from smoe.telemetry.replay import KeyStream, ReplayResult, Request, replay, replay_belady
 
 DEFAULT_POLICIES = ("lru", "lru-layer", "lfu", "slru", "arc", "hot")
 FORESIGHT_POLICIES = ("lru", "lfu")  # bases of the prefetch lines

@@ -3,7 +3,7 @@
 A policy only ranks candidates; the scheduler decides which slots are candidates at all
 (never pinned, never loading), so no policy can break the ring's safety rules.
 
-Call order the scheduler (and ``smoe.sched.replay``) follows for one requested key:
+Call order the scheduler (and ``smoe.telemetry.replay``) follows for one requested key:
 - hit:  ``on_access(key)``
 - miss: ``victim(candidates)`` and ``on_remove(victim)`` if the ring is full, then
   ``on_insert(key)`` and ``on_access(key)``.
@@ -50,7 +50,7 @@ class EvictionPolicy(Protocol):
 class HintablePolicy(EvictionPolicy, Protocol):
     """A policy that also takes the router's near misses as a hint: ``ExpertScheduler.hint``
     calls it for the resident ones after a request (the engine does with a "+hint" policy,
-    ``smoe.sched.hints``), and ``smoe.sched.replay`` with ``hints=True``. LRU, LRUPerLayer
+    ``smoe.sched.hints``), and ``smoe.telemetry.replay`` with ``hints=True``. LRU, LRUPerLayer
     and LFU implement it."""
 
     def on_hint(self, key: Key) -> None:

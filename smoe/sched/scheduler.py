@@ -328,7 +328,7 @@ class ExpertScheduler:
         ``on_hint``, which makes it likelier to stay; the others are ignored. Not an access:
         no hit or miss is counted, nothing is read, pinned or evicted. Call it after the
         request's ``reserve``/``acquire`` and before the next request (as
-        ``smoe.sched.replay`` does with ``hints=True``). Does nothing for a policy without
+        ``smoe.telemetry.replay`` does with ``hints=True``). Does nothing for a policy without
         ``on_hint``. Returns how many keys were passed on."""
         on_hint = getattr(self.policy, "on_hint", None)
         if self._closed or not callable(on_hint):
