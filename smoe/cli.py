@@ -591,14 +591,26 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
-
     p = argparse.ArgumentParser(
         prog="smoe",
         description="Run Mixture-of-Experts models larger than memory, streaming experts "
         "from an SSD vault, with output identical to running them in memory.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(sub)
+    _add_inspect(sub)
+    _add_synth(sub)
+    _add_generate(sub)
+    _add_chat(sub)
+    _add_serve(sub)
+    _add_bench(sub)
+    _add_export(sub)
+    return p
+
+
+def _add_convert(sub: Any) -> None:
+    """`smoe convert` and its options."""
+    from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
 
     c = sub.add_parser("convert", help="convert a Hugging Face or MLX checkpoint into a vault")
     c.add_argument("src", type=Path, help="checkpoint folder (config.json + *.safetensors)")
@@ -636,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert)
 
+
+def _add_inspect(sub: Any) -> None:
+    """`smoe inspect` and its options."""
     i = sub.add_parser("inspect", help="describe a vault; --verify re-checks every record")
     i.add_argument("vault", type=Path)
     i.add_argument("--json", action="store_true", help="print JSON")
@@ -649,6 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     # synth's choices are checked by synthesize(): importing it here would load torch.
+
+
+def _add_synth(sub: Any) -> None:
+    """`smoe synth` and its options."""
+    from smoe.vault.convert import DTYPE_CHOICES
+
     s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")
     s.add_argument("out", type=Path)
     s.add_argument(
@@ -669,6 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_synth)
 
+
+def _add_generate(sub: Any) -> None:
+    """`smoe generate` and its options."""
     g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
     g.add_argument("vault", type=Path)
     g.add_argument("--prompt", default=None, help="prompt text (tokenized without a chat template)")
@@ -695,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_chat(sub: Any) -> None:
+    """`smoe chat` and its options."""
     ch = sub.add_parser("chat", help="chat with a model (the built-in demo without VAULT)")
     ch.add_argument(
         "vault",
@@ -713,6 +740,9 @@ def build_parser() -> argparse.ArgumentParser:
     _memory_option(ch)
     ch.set_defaults(func=cmd_chat)
 
+
+def _add_serve(sub: Any) -> None:
+    """`smoe serve` and its options."""
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     sv.add_argument("vault", type=Path)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
@@ -744,8 +774,20 @@ def build_parser() -> argparse.ArgumentParser:
     _memory_option(sv)
     sv.set_defaults(func=cmd_serve)
 
+
+def _add_bench(sub: Any) -> None:
+    """`smoe bench ...`: every benchmark and its options."""
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    _add_bench_io(bsub)
+    _add_bench_generate(bsub)
+    _add_bench_limits(bsub)
+    _add_bench_resident(bsub)
+    _add_bench_routing(bsub)
+
+
+def _add_bench_io(bsub: Any) -> None:
+    """`smoe bench`: reads: the streamer against raw O_DIRECT."""
     bio = bsub.add_parser("io", help="streamer read throughput vs a raw O_DIRECT baseline")
     bio.add_argument("vault", type=Path)
     bio.add_argument(
@@ -788,6 +830,9 @@ def build_parser() -> argparse.ArgumentParser:
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)
 
+
+def _add_bench_generate(bsub: Any) -> None:
+    """`smoe bench`: prefill and decode at several budgets."""
     bg = bsub.add_parser("generate", help="prefill and decode at several memory budgets")
     bg.add_argument("vault", type=Path)
     bg.add_argument(
@@ -801,6 +846,9 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--seed", type=int, default=0)
     bg.set_defaults(func=cmd_bench_generate)
 
+
+def _add_bench_limits(bsub: Any) -> None:
+    """`smoe bench`: decode and prefill against their physical limits."""
     for name, prompt_default, doc in (
         ("decode", 16, "decode tok/s, bytes/token, I/O wait, vs the physical limit"),
         ("prefill", 256, "time to first token and prefill tok/s of a long prompt"),
@@ -834,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         bd.set_defaults(func=cmd_bench_decode)
 
+
+def _add_bench_resident(bsub: Any) -> None:
+    """`smoe bench`: every expert resident, against mlx-lm."""
     br = bsub.add_parser(
         "resident", help="every expert resident: the engine against mlx-lm in memory"
     )
@@ -846,6 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
     br.set_defaults(func=cmd_bench_resident)
 
+
+def _add_bench_routing(bsub: Any) -> None:
+    """`smoe bench`: policy, locality and trace: routing research."""
     bp = bsub.add_parser(
         "policy",
         add_help=False,
@@ -865,12 +919,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--seed", type=int, default=0)
     bt.set_defaults(func=cmd_bench_trace)
 
+
+def _add_export(sub: Any) -> None:
+    """`smoe export` and its options."""
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
     e.add_argument("vault", type=Path)
     e.add_argument("out", type=Path)
     e.add_argument("--force", action="store_true")
     e.set_defaults(func=cmd_export)
-    return p
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
