@@ -33,7 +33,7 @@ from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
-from smoe.ring_plan import current_device, plan_ring
+from smoe.ring_plan import RingPlan, current_device, plan_ring
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES, PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
@@ -163,65 +163,18 @@ class Engine:
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> Engine:
-        import mlx.core as mx
-
-        m = self.vault.manifest
-        o = self.options
-        top_k = int(m.topology["experts_per_token"])
-        o.check(top_k, m.num_experts)  # every option, before any resource is taken
-        self._device = self._choose_device()
-        self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
-        plan = plan_ring(
-            self.vault,
-            requested=o.ring,
-            dtype=self.dtype,
-            device=current_device(self._device),
-            memory=o.memory,
-            slots=o.slots,
-            max_batch=o.max_batch,
-            max_context=o.max_context,
-        )
+        """Check every option, then start, in order: the compute thread, the ring, the I/O
+        workers and the scheduler, the model and the batcher. A failure on the way closes
+        what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
+        VaultError for a vault that does not verify."""
+        plan = self._check_and_plan()
         # The backbone is untrusted: hash it (once per change of the file) before loading it.
         await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
         try:
             self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
-            self.reader = DirectReader(
-                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
-            )
-            self.popularity = Popularity(self.vault)
-            self.tracer.popularity = self.popularity
-            base, hinted = split_policy_name(o.policy)
-            policy: Any = base
-            if base == "hot":  # pin the historically hottest half of the ring
-                policy = PinnedHot.from_counts(
-                    self.popularity.as_mapping(), self.ring.num_slots // 2
-                )
-            self.scheduler = ExpertScheduler(
-                self.ring.num_slots,
-                self.reader,
-                record_of=lambda k: m.record_index(*k),
-                record_bytes=m.record.stride,
-                workers=o.workers,
-                runway=o.workers,  # each worker finds its next read queued (docs/architecture.md)
-                policy=policy,
-                # A ring holding every expert keeps each at its record's index: a layer's
-                # experts stay in one bank (one call), as mlx-lm holds them.
-                home=(lambda k: m.record_index(*k))
-                if self.ring.num_slots >= m.num_records
-                else None,
-            )
-            loop = asyncio.get_running_loop()
-            if hinted:
-                self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
-                self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
-                    self.scheduler.hint, layer, experts
-                )
-            every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
-            self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
-            self._commit_queued = False
-            if self.ring.kind == "staged":
-                self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
+            self._start_io()
+            self._wire_to_loop(asyncio.get_running_loop())
             self.runner = await self.compute.run(self._build)
             self.tokenizer = await self.compute.run(self._load_tokenizer)
         except BaseException:
@@ -232,14 +185,73 @@ class Engine:
             self.runner,
             self._lock,
             self._meter,
-            max_batch=o.max_batch,
+            max_batch=self.options.max_batch,
             on_demand=self._demand_arrives,
         )
-        config = self.vault.config()
-        limit = config.get("max_position_embeddings") or 4096
-        self.max_context = min(o.max_context or limit, limit)
+        limit = self.vault.config().get("max_position_embeddings") or 4096
+        self.max_context = min(self.options.max_context or limit, limit)
         self._opened = True
         return self
+
+    def _check_and_plan(self) -> RingPlan:
+        """Options checked, device and dtype chosen, the ring planned: nothing started."""
+        import mlx.core as mx
+
+        m, o = self.vault.manifest, self.options
+        o.check(int(m.topology["experts_per_token"]), m.num_experts)
+        self._device = self._choose_device()
+        self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
+        return plan_ring(
+            self.vault,
+            requested=o.ring,
+            dtype=self.dtype,
+            device=current_device(self._device),
+            memory=o.memory,
+            slots=o.slots,
+            max_batch=o.max_batch,
+            max_context=o.max_context,
+        )
+
+    def _start_io(self) -> None:
+        """The I/O workers, the popularity counts and the scheduler over the ring."""
+        m, o = self.vault.manifest, self.options
+        self.reader = DirectReader(
+            self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+        )
+        self.popularity = Popularity(self.vault)
+        self.tracer.popularity = self.popularity
+        base, _ = split_policy_name(o.policy)
+        policy: Any = base
+        if base == "hot":  # pin the historically hottest half of the ring
+            policy = PinnedHot.from_counts(self.popularity.as_mapping(), self.ring.num_slots // 2)
+        self.scheduler = ExpertScheduler(
+            self.ring.num_slots,
+            self.reader,
+            record_of=lambda k: m.record_index(*k),
+            record_bytes=m.record.stride,
+            workers=o.workers,
+            runway=o.workers,  # each worker finds its next read queued (docs/architecture.md)
+            policy=policy,
+            # A ring holding every expert keeps each at its record's index: a layer's
+            # experts stay in one bank (one call), as mlx-lm holds them.
+            home=(lambda k: m.record_index(*k)) if self.ring.num_slots >= m.num_records else None,
+        )
+
+    def _wire_to_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """What the compute and I/O threads call back into the loop with: slot requests
+        (LoopSlots), router hints, and the staged ring's landed records."""
+        m, o = self.vault.manifest, self.options
+        if split_policy_name(o.policy)[1]:
+            top_k = int(m.topology["experts_per_token"])
+            self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
+            self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
+                self.scheduler.hint, layer, experts
+            )
+        every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
+        self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
+        self._commit_queued = False
+        if self.ring.kind == "staged":
+            self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
 
     def _choose_device(self) -> Any:
         """The MLX device to compute on (``options.device``), made the default here and on
