@@ -303,7 +303,7 @@ async def test_text_parts_penalties_and_unsupported_fields(vault):
 
 
 async def test_prefix_cache_keeps_a_bounded_number_of_bytes(vault):
-    from smoe.serve.app import PrefixCache
+    from smoe.serve.prefix import PrefixCache
 
     async with Engine.open(vault.path) as engine:
         r = engine.runner

@@ -17,7 +17,8 @@ import pytest
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
 from smoe.conversation import REPLY_MARK, follow_up_prompt
 from smoe.engine import Engine
-from smoe.serve.app import ChatReply, PrefixCache, Server, ServerOptions
+from smoe.serve.app import Server, ServerOptions
+from smoe.serve.prefix import ChatReply, PrefixCache
 from tests import serving
 from tests.conftest import tiny_vault
 

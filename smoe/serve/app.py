@@ -32,10 +32,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from jinja2 import TemplateError
 
 from smoe.compute.model import compute_dtype_note
-from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
-from smoe.conversation import follow_up_prompt
+from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine import Engine
 from smoe.errors import SmoeError
+from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
 from smoe.serve.stops import StopMatcher
 from smoe.serve.validate import (
     MAX_BODY_BYTES,
@@ -103,124 +103,6 @@ class _Turn:
     continued: bool = False
 
 
-@dataclass
-class ChatReply:
-    """What a cached sequence holds of the chat request that made it: the request's
-    ``messages``, the reply ``text`` its client was given, and ``end``, the stream length
-    that ends with the ids of that text (and the end-of-turn id when the model ended its
-    turn there). Made only where ``text`` is exactly what those ids decode to."""
-
-    messages: list[dict[str, str]]
-    text: str
-    end: int
-
-    def nbytes(self) -> int:
-        """Bytes of text it keeps (UTF-8)."""
-        parts = [self.text, *(m["content"] for m in self.messages)]
-        return sum(len(t.encode("utf-8", "surrogatepass")) for t in parts)
-
-
-@dataclass
-class Cached:
-    """One sequence of the prefix cache, with its chat reply if it has one."""
-
-    seq: Sequence_
-    reply: ChatReply | None = None
-    text_bytes: int = 0  # what ``reply`` keeps
-
-    def nbytes(self) -> int:
-        return _cache_bytes(self.seq) + self.text_bytes
-
-
-@dataclass
-class PrefixCache:
-    """KV caches of recent requests; a new prompt takes the one sharing its longest prefix.
-    Keeps at most ``capacity`` caches and ``max_bytes`` of keys and values and of the chat
-    replies' texts (oldest go).
-
-    A chat request's sequence also keeps the reply its client was given (``ChatReply``), so
-    that a request repeating that request's messages, then that reply verbatim, then new
-    messages continues from the ids the reply was generated as (``follow_up``)."""
-
-    capacity: int
-    max_bytes: int = 2 * 1024**3
-    entries: list[Cached] = field(default_factory=list)
-
-    def take(self, prompt: list[int]) -> tuple[Sequence_ | None, int]:
-        best, best_len = None, 0
-        for entry in self.entries:
-            seq = entry.seq
-            n = common_prefix(seq.tokens[: seq.cached], prompt)
-            if n > best_len:
-                best, best_len = entry, n
-        if best is None:
-            return None, 0
-        self.entries.remove(best)
-        return best.seq, best_len
-
-    def put(self, seq: Sequence_, reply: ChatReply | None = None) -> None:
-        size = reply.nbytes() if reply is not None else 0
-        self.entries.insert(0, Cached(seq, reply, size))
-        del self.entries[self.capacity :]
-        while self.entries and self.nbytes() > self.max_bytes:
-            self.entries.pop()
-
-    def follow_up(self, tok: Any, messages: list[dict[str, str]]) -> list[int] | None:
-        """The prompt for chat ``messages`` that begin with a cached request's messages and
-        our reply to them (its text exactly), when they do: that sequence's stream up to
-        the reply's end, then the template's tokens for the messages after the reply
-        (``follow_up_prompt``, as a Conversation's next turn). So the reply is never
-        tokenized again. None where no cached reply is repeated, or the template says
-        otherwise (the caller templates ``messages`` whole). The longest history wins; of
-        equals, the newest."""
-        best: ChatReply | None = None
-        stream: list[int] = []
-        for entry in self.entries:
-            r = entry.reply
-            if r is None or len(r.messages) >= len(messages):
-                continue
-            if best is not None and len(r.messages) <= len(best.messages):
-                continue
-            said = messages[len(r.messages)]
-            if said["role"] != "assistant" or said["content"] != r.text:
-                continue
-            if messages[: len(r.messages)] != r.messages:
-                continue
-            best, stream = r, entry.seq.tokens[: r.end]
-        if best is None or len(stream) != best.end:
-            return None
-        return follow_up_prompt(tok, stream, messages, len(best.messages))
-
-    def nbytes(self) -> int:
-        return sum(entry.nbytes() for entry in self.entries)
-
-
-def _cache_bytes(seq: Sequence_) -> int:
-    return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
-
-
-def reply_ids(tok: Any, ids: list[int], text: str, cut: bool) -> int | None:
-    """How many of the generated ``ids`` the reply ``text`` is exactly the text of: all of
-    them, or where ``cut`` (a stop string ended the text early) the fewest whose text it
-    is; None where no such count exists (the text a client was given is not what the ids
-    decode to: a detokenizer that dropped a leading space, a cut inside a token)."""
-
-    def decode(n: int) -> str:
-        out = tok.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return out if isinstance(out, str) else ""
-
-    if not cut:
-        return len(ids) if decode(len(ids)) == text else None
-    lo, hi = 0, len(ids)  # the fewest whose text is at least as long
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(decode(mid)) >= len(text):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo if decode(lo) == text else None
-
-
 def _failure(e: Exception, rid: str) -> ApiError:
     """What the client is told about a failure that is not its request's fault. A
     SmoeError or OSError (the vault or disk failing, the engine closed) is the operator's
@@ -242,6 +124,64 @@ def _failure(e: Exception, rid: str) -> ApiError:
         "server_error",
         code="internal_error",
     )
+
+
+@dataclass
+class _Completion:
+    """One request's answer as it is generated: the text after stop strings, the ids
+    shown, how it finished, and its OpenAI identity (id, object kind, creation time)."""
+
+    chat: bool
+    stops: StopMatcher
+    id: str = ""
+    kind: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # the ids shown (not an end of turn)
+    completion: int = 0
+    finish: str = "length"
+    ended: bool = False  # the model ended its turn (its end-of-turn id is in the stream)
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.kind = "chat.completion" if self.chat else "text_completion"
+
+    def feed(self, event: Any) -> str:
+        """Take one engine event; return the text it adds for the client ('' for none)."""
+        if event.token is not None:
+            self.completion += 1
+            self.generated.append(event.token)
+        if event.finish_reason:
+            self.finish = event.finish_reason
+            self.ended = self.finish == "stop"
+        piece = self.stops.feed(event.text) if event.text else ""
+        if self.stops.stopped:
+            self.finish = "stop"
+        elif event.finish_reason:
+            piece += self.stops.flush()
+        if piece:
+            self.text.append(piece)
+        return piece
+
+    @property
+    def reply(self) -> str:
+        return "".join(self.text)
+
+    def body(self, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streaming JSON answer."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.reply}
+        else:
+            choice["text"] = self.reply
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
 
 
 class Server:
@@ -476,6 +416,8 @@ class Server:
         chat: bool,
         turn: _Turn | None = None,
     ) -> web.StreamResponse:
+        """Generate for one request and answer it: JSON, or server-sent events as the
+        tokens come. Its sequence goes back to the prefix cache whatever happens."""
         engine = self.engine
         seq, _ = self.cache.take(ids)
         if turn is not None and turn.continued:
@@ -492,17 +434,10 @@ class Server:
             self.prefilled_tokens += run
             return seq
 
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        out = _Completion(chat, StopMatcher(opts.stops))
         request_id = _request_id.get()
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        text: list[str] = []
-        finish, completion = "length", 0
-        generated: list[int] = []  # the ids shown (an end-of-turn id is not)
-        ended = False  # the model ended its turn (its end-of-turn id is in the stream)
         kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
         response: web.StreamResponse | None = None
-        stops = StopMatcher(opts.stops)
         if opts.stream:
             response = web.StreamResponse(
                 headers={
@@ -516,27 +451,16 @@ class Server:
             events = engine._stream(prepare, len(ids), opts.max_tokens, opts.stop_at_eos)
             async with contextlib.aclosing(events):  # leaving early frees the batch place
                 async for event in events:
-                    if event.token is not None:
-                        completion += 1
-                        generated.append(event.token)
-                    if event.finish_reason:
-                        finish = event.finish_reason
-                        ended = finish == "stop"
-                    piece = stops.feed(event.text) if event.text else ""
-                    if stops.stopped:
-                        finish = "stop"
-                    elif event.finish_reason:
-                        piece += stops.flush()
-                    if piece:
-                        text.append(piece)
-                        if response is not None:
-                            await self._sse(response, rid, kind, created, piece, None, chat)
-                    if stops.stopped:
+                    piece = out.feed(event)
+                    if piece and response is not None:
+                        await self._sse(response, out.id, out.kind, out.created, piece, None, chat)
+                    if out.stops.stopped:
                         break
             if turn is not None and seq is not None:
                 try:  # only an optimisation: its failure is logged, never the request's
-                    reply = "".join(text)
-                    kept = self._reply(turn, ids, seq, generated, reply, ended, stops.stopped)
+                    kept = self._reply(
+                        turn, ids, seq, out.generated, out.reply, out.ended, out.stops.stopped
+                    )
                 except Exception:
                     log.exception("request %s: the reply is not kept for reuse", request_id)
         except ConnectionError:
@@ -546,43 +470,32 @@ class Server:
         except Exception as e:
             if response is None:
                 raise
-            # The stream has begun (status 200 sent): the error goes as an event.
-            error = json.dumps(_failure(e, request_id).to_json())
-            with contextlib.suppress(ConnectionError):  # the client may be gone too
-                await response.write(f"data: {error}\n\n".encode())
-                await response.write(b"data: [DONE]\n\n")
-                await response.write_eof()
+            await self._stream_failure(response, e, request_id)
             return response
         finally:
             if seq is not None:
                 self.cache.put(seq, kept)
         usage: dict[str, Any] = {
             "prompt_tokens": len(ids),
-            "completion_tokens": completion,
-            "total_tokens": len(ids) + completion,
+            "completion_tokens": out.completion,
+            "total_tokens": len(ids) + out.completion,
             "prompt_tokens_details": {"cached_tokens": reused},  # OpenAI's name for reuse
         }
-        if response is not None:
-            await self._sse(response, rid, kind, created, "", finish, chat, usage)
+        if response is None:
+            return web.json_response(out.body(self.options.model_name, usage))
+        await self._sse(response, out.id, out.kind, out.created, "", out.finish, chat, usage)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _stream_failure(response: web.StreamResponse, e: Exception, rid: str) -> None:
+        """The stream has begun (status 200 sent): the error goes as an event."""
+        error = json.dumps(_failure(e, rid).to_json())
+        with contextlib.suppress(ConnectionError):  # the client may be gone too
+            await response.write(f"data: {error}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-            return response
-        reply = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": reply}
-        else:
-            choice["text"] = reply
-        return web.json_response(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": self.options.model_name,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
 
     def _reply(
         self,
