@@ -153,13 +153,9 @@ class Conversation:
         stream = self._seq.tokens[: self._reply_end]
         return follow_up_prompt(self.engine.tokenizer, stream, messages, len(history) - 1)
 
-    def _prepare(self, prompt: list[int], params: SamplingParams) -> Sequence_:
-        """Compute thread: point the cached stream at ``prompt`` (reusing the common
-        prefix); the batcher prefills the rest."""
-        if self._seq is None:
-            self._seq = Sequence_(cache=self.engine.runner.new_cache())
-        self.engine.runner.prepare(self._seq, prompt, params)
-        return self._seq
+    def _keep(self, seq: Sequence_, _run: int = 0) -> None:
+        """Compute thread: the sequence this conversation's stream now lives in."""
+        self._seq = seq
 
     # -------------------------------------------------------------- turns
     async def send(
@@ -191,8 +187,8 @@ class Conversation:
         engine = self.engine
         shown, stopped = 0, False  # tokens handed out; whether the reply ended with EOS
         async with self._busy:
-            stream = engine._stream(
-                lambda: self._prepare(prompt, params), len(prompt), max_tokens, stop_at_eos=True
+            stream = engine.stream(
+                prompt, params, max_tokens, sequence=self._seq, on_prepared=self._keep
             )
             try:
                 async for event in stream:
@@ -218,7 +214,8 @@ class Conversation:
         self._check_context(prompt, 1)
 
         def run() -> np.ndarray:
-            seq = self._prepare(prompt, SamplingParams())
+            seq, _ = self.engine.point(self._seq, prompt, SamplingParams())
+            self._keep(seq)
             while self.engine.runner.prefill_chunk(seq):
                 pass
             return self.engine.runner.next_logits(seq)

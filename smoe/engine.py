@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -428,7 +428,10 @@ class Engine:
         )
 
     # ---------------------------------------------------------------- API
-    def _check_tokens(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
+    def check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
+        """``tokens`` as a list, or SmoeError if the engine is closed, the prompt is empty,
+        an id is outside the vocabulary, or the prompt plus ``extra`` tokens would not fit
+        the context."""
         if not self._opened:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
         vocab = int(self.vault.manifest.topology["vocab_size"])
@@ -462,7 +465,7 @@ class Engine:
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other
         than which experts the ring happens to hold."""
-        ids = self._check_tokens(token_ids)
+        ids = self.check_prompt(token_ids)
         async with self._lock:
             self._demand_arrives()
             return await self.compute.run(self.runner.logits, ids)
@@ -487,17 +490,45 @@ class Engine:
             raise SmoeError("max_tokens must be at least 1")
         params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
         params.check()
-        ids = self._check_tokens(
-            self.encode(prompt) if isinstance(prompt, str) else prompt, extra=max_tokens
-        )
-        stream = self._stream(lambda: self._fresh(ids, params), len(ids), max_tokens, stop_at_eos)
-        async for event in stream:
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        async for event in self.stream(ids, params, max_tokens, stop_at_eos=stop_at_eos):
             yield event
 
-    def _fresh(self, ids: list[int], params: SamplingParams) -> Sequence_:
-        seq = Sequence_(cache=self.runner.new_cache())
-        self.runner.prepare(seq, ids, params)
-        return seq
+    def stream(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        *,
+        sequence: Sequence_ | None = None,
+        stop_at_eos: bool = True,
+        on_prepared: Callable[[Sequence_, int], None] | None = None,
+    ) -> AsyncIterator[Event]:
+        """Generate from ``prompt`` on ``sequence`` (a new one if None): the sequence keeps
+        the keys and values of the prefix it shares with the prompt, and the batcher
+        prefills the rest and decodes it with the others (what conversations and the
+        server's prefix reuse build on). ``on_prepared(sequence, tokens_to_prefill)`` runs
+        on the compute thread once the sequence points at the prompt. Events as
+        ``generate``; leaving the iteration early takes the request out of the batch.
+        Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt."""
+        ids = self.check_prompt(prompt, extra=max_tokens)
+
+        def prepare() -> Sequence_:  # compute thread
+            seq, run = self.point(sequence, ids, params)
+            if on_prepared is not None:
+                on_prepared(seq, run)
+            return seq
+
+        return self._stream(prepare, len(ids), max_tokens, stop_at_eos)
+
+    def point(
+        self, sequence: Sequence_ | None, ids: list[int], params: SamplingParams
+    ) -> tuple[Sequence_, int]:
+        """Compute thread only: ``sequence`` (or a new one) pointed at ``ids``, keeping the
+        cached prefix they share (``Runner.prepare``); returns it and how many prompt
+        tokens remain to prefill."""
+        seq = sequence if sequence is not None else Sequence_(cache=self.runner.new_cache())
+        return seq, self.runner.prepare(seq, ids, params)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see Conversation)."""

@@ -403,7 +403,7 @@ class Server:
             raise ApiError(400, "Invalid 'prompt': it encodes to no tokens.", param="prompt")
         opts = self._options(fields, len(ids), chat)
         # validation checked the ids and the length: only a closed engine fails here (503)
-        ids = self.engine._check_tokens(ids, extra=opts.max_tokens)
+        ids = self.engine.check_prompt(ids, extra=opts.max_tokens)
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
         return await self._run(request, ids, opts, chat, turn)
@@ -424,15 +424,12 @@ class Server:
             self.reply_follow_ups += 1
         reused = 0  # prompt tokens whose keys and values this request reuses
 
-        def prepare() -> Sequence_:  # compute thread; the batcher prefills the rest
+        def prepared(sequence: Sequence_, run: int) -> None:  # compute thread
             nonlocal seq, reused
-            if seq is None:
-                seq = Sequence_(cache=engine.runner.new_cache())
-            run = engine.runner.prepare(seq, ids, opts.params)
+            seq = sequence
             reused = len(ids) - 1 - run  # the last prompt token runs in the first step
             self.reused_tokens += reused  # counters written by the compute thread only
             self.prefilled_tokens += run
-            return seq
 
         out = _Completion(chat, StopMatcher(opts.stops))
         request_id = _request_id.get()
@@ -448,7 +445,14 @@ class Server:
             )
             await response.prepare(request)
         try:
-            events = engine._stream(prepare, len(ids), opts.max_tokens, opts.stop_at_eos)
+            events = engine.stream(
+                ids,
+                opts.params,
+                opts.max_tokens,
+                sequence=seq,
+                stop_at_eos=opts.stop_at_eos,
+                on_prepared=prepared,
+            )
             async with contextlib.aclosing(events):  # leaving early frees the batch place
                 async for event in events:
                     piece = out.feed(event)
