@@ -11,9 +11,13 @@ between iterations) and does, in order:
 3. run one decode step of every request ready to sample, as one batched pass
    (``Runner.step_batch``: per MoE layer the union of their experts is read once).
 
-A request's tokens, end and error go to its own queue, which ``Engine._stream`` reads.
-A cancelled ticket leaves the batch at the next iteration; the step in progress (one
-token's time) cannot be interrupted. Nothing here imports MLX: the runner does the math.
+Which requests steps 2 and 3 take is decided by ``next_prefill`` and ``ready_to_decode``,
+pure functions of the active tickets' states (as nano-vllm separates scheduling from running). A ticket moves
+WAITING -> PREFILLING -> DECODING -> FINISHED (or straight to FINISHED on an error or a
+cancel). Its events, typed (``Token``, ``End``, ``Failed``), go to its own queue, which
+``Engine._stream`` reads. A cancelled ticket leaves the batch at the next iteration; the
+step in progress (one token's time) cannot be interrupted. Nothing here imports MLX: the
+runner does the math.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from smoe.errors import SmoeError
 
@@ -63,6 +68,34 @@ class Meter:
         )
 
 
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # submitted, not admitted to the batch
+    PREFILLING = "prefilling"  # admitted; prompt tokens left to run
+    DECODING = "decoding"  # sampling one token per step
+    FINISHED = "finished"  # ended, failed or cancelled: its last event is queued
+
+
+class Token(NamedTuple):
+    """A sampled token id."""
+
+    id: int
+
+
+class End(NamedTuple):
+    """The generation ended: ``reason`` is "stop" (an EOS id) or "length"."""
+
+    reason: str
+
+
+class Failed(NamedTuple):
+    """The generation failed with ``error`` (raised to the consumer)."""
+
+    error: BaseException
+
+
+TicketEvent = Token | End | Failed
+
+
 @dataclass
 class Ticket:
     """One generation request in the batcher. ``prepare`` runs on the compute thread and
@@ -71,11 +104,11 @@ class Ticket:
     prepare: Callable[[], Any]
     max_tokens: int
     eos: frozenset[int] = frozenset()
-    events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[TicketEvent] = field(default_factory=asyncio.Queue)
     seq: Any = None
+    state: RequestState = RequestState.WAITING
     generated: int = 0
-    cancelled: bool = False
-    finished: bool = False
+    cancelled: bool = False  # asked by the consumer; acted on at the next iteration
     prompt_run: int = 0  # prompt tokens to prefill (the rest of the prompt was reused)
     # What this request cost: its prefill chunks and first step (time to first token),
     # then its decode steps; bytes of a batched step are shared among its rows.
@@ -84,14 +117,28 @@ class Ticket:
     batch_sizes: list[int] = field(default_factory=list)  # rows of each decode step
     submitted: float = field(default_factory=time.perf_counter)
 
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
     def cancel(self) -> None:
         """Leave the batch at the next iteration (idempotent)."""
         self.cancelled = True
 
-    def _finish(self, kind: str, value: Any) -> None:
+    def _finish(self, last: End | Failed) -> None:
         if not self.finished:
-            self.finished = True
-            self.events.put_nowait((kind, value))
+            self.state = RequestState.FINISHED
+            self.events.put_nowait(last)
+
+
+def next_prefill(active: list[Ticket]) -> Ticket | None:
+    """Pure: the oldest admitted ticket with prompt tokens left, which gets one chunk."""
+    return next((t for t in active if t.state is RequestState.PREFILLING), None)
+
+
+def ready_to_decode(active: list[Ticket]) -> list[Ticket]:
+    """Pure: every ticket ready to sample; they advance together, one batched step."""
+    return [t for t in active if t.state is RequestState.DECODING]
 
 
 class Batcher:
@@ -161,7 +208,7 @@ class Batcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for t in [*self.active, *self.waiting]:
-            t._finish("error", SmoeError("the engine closed during the request"))
+            t._finish(Failed(SmoeError("the engine closed during the request")))
         self.active.clear()
         self.waiting.clear()
         self._idle.set()
@@ -184,7 +231,7 @@ class Batcher:
                     await self._iteration()
                 except Exception as e:  # a bug here must not leave requests hanging
                     for t in [*self.active, *self.waiting]:
-                        t._finish("error", e)
+                        t._finish(Failed(e))
                     self.active.clear()
                     self.waiting.clear()
 
@@ -199,19 +246,27 @@ class Batcher:
             try:
                 ticket.seq = await self.compute.run(ticket.prepare)
             except Exception as e:
-                ticket._finish("error", e)
+                ticket._finish(Failed(e))
                 continue
             ticket.prompt_run = ticket.seq.to_prefill()
+            self._update(ticket)
             self.active.append(ticket)
 
-        prefilling = [t for t in self.active if t.seq.to_prefill() > 0]
-        if prefilling:
-            await self._prefill(prefilling[0])
-
-        ready = [t for t in self.active if not t.finished and t.seq.to_prefill() == 0]
+        prefill = next_prefill(self.active)
+        if prefill is not None:
+            await self._prefill(prefill)
+            self._update(prefill)  # a prompt just done decodes in this same iteration
+        ready = ready_to_decode(self.active)
         if ready:
             await self._decode(ready)
         self._drop_cancelled()
+
+    @staticmethod
+    def _update(ticket: Ticket) -> None:
+        """PREFILLING while prompt tokens remain, then DECODING (FINISHED stays)."""
+        if not ticket.finished:
+            prefilling = ticket.seq.to_prefill() > 0
+            ticket.state = RequestState.PREFILLING if prefilling else RequestState.DECODING
 
     def _drop_cancelled(self) -> None:
         self.active = [t for t in self.active if not (t.cancelled or t.finished)]
@@ -223,7 +278,7 @@ class Batcher:
         try:
             await self.compute.run(self.runner.prefill_chunk, ticket.seq)
         except Exception as e:
-            ticket._finish("error", e)
+            ticket._finish(Failed(e))
             return
         finally:
             cost = self.meter() - before
@@ -238,7 +293,7 @@ class Batcher:
             tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
         except Exception as e:
             for t in ready:
-                t._finish("error", e)
+                t._finish(Failed(e))
             return
         cost = self.meter() - before
         self.steps += 1
@@ -251,8 +306,8 @@ class Batcher:
             if ticket.generated > 0:
                 ticket.batch_sizes.append(len(ready))
             ticket.generated += 1
-            ticket.events.put_nowait(("token", token))
+            ticket.events.put_nowait(Token(token))
             if token in ticket.eos:
-                ticket._finish("end", "stop")
+                ticket._finish(End("stop"))
             elif ticket.generated >= ticket.max_tokens:
-                ticket._finish("end", "length")
+                ticket._finish(End("length"))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from smoe.batcher import Batcher, Meter, Ticket
+from smoe.batcher import Batcher, End, Failed, Meter, Ticket
 from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
@@ -564,12 +564,13 @@ class Engine:
         finish = "length"
         try:
             while True:
-                kind, value = await ticket.events.get()
-                if kind == "error":
-                    raise value
-                if kind == "end":
-                    finish = value
+                event = await ticket.events.get()
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, End):
+                    finish = event.reason
                     break
+                value = event.id
                 now = time.perf_counter()
                 if t_first is None:
                     t_first = now

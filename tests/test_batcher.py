@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from smoe.batcher import Batcher, Meter, Ticket
+from smoe.batcher import Batcher, End, Failed, Meter, RequestState, Ticket, Token
 from smoe.errors import SmoeError
 
 pytestmark = pytest.mark.asyncio
@@ -83,12 +83,21 @@ def ticket(name: str, prompt_left: int, max_tokens: int, eos=frozenset()) -> Tic
     return Ticket(lambda: seq, max_tokens, eos)
 
 
+def as_pair(event: object) -> tuple[str, object]:
+    """A ticket's typed event as (kind, value), for compact assertions."""
+    if isinstance(event, Token):
+        return "token", event.id
+    if isinstance(event, End):
+        return "end", event.reason
+    assert isinstance(event, Failed), event
+    return "error", event.error
+
+
 async def drain(t: Ticket) -> list[tuple[str, object]]:
     out = []
     while True:
-        kind, value = await t.events.get()
-        out.append((kind, value))
-        if kind in ("end", "error"):
+        out.append(as_pair(await t.events.get()))
+        if out[-1][0] in ("end", "error"):
             return out
 
 
@@ -213,3 +222,47 @@ async def test_a_failing_on_idle_does_not_stop_the_batcher():
     assert (await drain(batcher.submit(ticket("a", 0, 1))))[-1] == ("end", "length")
     await batcher.wait_idle()  # on_idle has raised by now
     assert (await drain(batcher.submit(ticket("b", 0, 1))))[-1] == ("end", "length")
+
+
+async def test_the_plan_is_a_pure_function_of_the_states():  # (the module is async)
+    from smoe.batcher import next_prefill, ready_to_decode
+
+    tickets = [ticket(n, 0, 1) for n in "abcd"]
+    states = [
+        RequestState.DECODING,
+        RequestState.PREFILLING,
+        RequestState.PREFILLING,
+        RequestState.FINISHED,
+    ]
+    for t, state in zip(tickets, states, strict=True):
+        t.state = state
+    assert next_prefill(tickets) is tickets[1]  # the oldest prefilling one, alone
+    assert ready_to_decode(tickets) == [tickets[0]]
+    assert next_prefill([tickets[0], tickets[3]]) is None
+
+
+async def test_a_ticket_moves_waiting_prefilling_decoding_finished():
+    batcher, runner, compute, _ = make()
+    t = ticket("a", 2, 2)  # two chunks of prompt, then two tokens
+    seen: list[RequestState] = []
+    run = compute.run
+
+    async def noting(fn, *args):  # the ticket's state as each compute job starts
+        seen.append(t.state)
+        return await run(fn, *args)
+
+    compute.run = noting
+    batcher.submit(t)
+    assert await drain(t) == [
+        ("token", 100),
+        ("token", 101),
+        ("end", "length"),
+    ]
+    seen.append(t.state)
+    states = [s for i, s in enumerate(seen) if i == 0 or s is not seen[i - 1]]
+    assert states == [
+        RequestState.WAITING,  # its prepare
+        RequestState.PREFILLING,  # two chunks
+        RequestState.DECODING,  # two steps
+        RequestState.FINISHED,
+    ]
