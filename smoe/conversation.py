@@ -262,7 +262,7 @@ class Conversation:
         meta = {
             "format": FORMAT,
             "vault": vault_fingerprint(self.engine),
-            "model_type": self.engine.vault.manifest.topology["model_type"],
+            "model_type": self.engine.vault.manifest.shape.model_type,
             "system": json.dumps(self.system),
             "messages": json.dumps(self.messages),
         }

@@ -198,7 +198,7 @@ class Engine:
         import mlx.core as mx
 
         m, o = self.vault.manifest, self.options
-        o.check(int(m.topology["experts_per_token"]), m.num_experts)
+        o.check(m.shape.experts_per_token, m.num_experts)
         self._device = self._choose_device()
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         return plan_ring(
@@ -242,7 +242,7 @@ class Engine:
         (LoopSlots), router hints, and the staged ring's landed records."""
         m, o = self.vault.manifest, self.options
         if split_policy_name(o.policy)[1]:
-            top_k = int(m.topology["experts_per_token"])
+            top_k = m.shape.experts_per_token
             self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
             self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
                 self.scheduler.hint, layer, experts
@@ -410,7 +410,7 @@ class Engine:
 
         m = self.vault.manifest
         self.tracer.recorder = ArchiveRecorder(
-            m.num_experts, int(m.topology["experts_per_token"]), [s.layer for s in m.layers], depth
+            m.num_experts, m.shape.experts_per_token, [s.layer for s in m.layers], depth
         )
 
     def stop_recording(self) -> Any:
@@ -422,7 +422,7 @@ class Engine:
         return recorder.archive(
             {
                 "vault": str(self.vault.path),
-                "model_type": self.vault.manifest.topology["model_type"],
+                "model_type": self.vault.manifest.shape.model_type,
                 "record_bytes": self.vault.manifest.record.stride,
             }
         )
@@ -434,7 +434,7 @@ class Engine:
         the context."""
         if not self._opened:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
-        vocab = int(self.vault.manifest.topology["vocab_size"])
+        vocab = self.vault.manifest.shape.vocab_size
         ids = [int(t) for t in tokens]
         if not ids:
             raise SmoeError("the prompt is empty")

@@ -213,7 +213,7 @@ def plan_ring(
     m = vault.manifest
     kind = ring_kind(requested, m.record, dtype, device)
     per_slot = slot_bytes(kind, m.record, dtype)
-    top_k = int(m.topology["experts_per_token"])
+    top_k = m.shape.experts_per_token
     room = gpu_room(vault, dtype, device, max_batch, max_context) if device.discrete else None
     if slots is not None:
         if slots < top_k:

@@ -20,7 +20,7 @@ from smoe.vault.format import Vault
 def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
     """``tokens`` random ids of the vault's vocabulary (above the first 10: no specials)."""
     rng = random.Random(seed)
-    vocab = int(vault.manifest.topology["vocab_size"])
+    vocab = vault.manifest.shape.vocab_size
     return [rng.randrange(10, vocab) for _ in range(tokens)]
 
 
@@ -28,7 +28,7 @@ def budget_slots(vault: Vault, budget: str) -> int:
     """'min' (one token's top-k), 'half' (half the experts), 'all', a share of the experts
     like '25%', or a size like 2GB (in records of the vault's stride)."""
     m = vault.manifest
-    top_k = int(m.topology["experts_per_token"])
+    top_k = m.shape.experts_per_token
     if budget == "min":
         return top_k
     if budget == "half":
@@ -96,7 +96,7 @@ async def bench_generate(
     return {
         "benchmark": "generate",
         "vault": str(vault.path),
-        "model": m.topology["model_type"],
+        "model": m.shape.model_type,
         "experts_bytes": m.experts_bytes,
         "record_bytes": m.record.size,
         "prompt_tokens": prompt_tokens,

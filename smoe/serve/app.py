@@ -197,7 +197,7 @@ class Server:
         self.app = web.Application(
             middlewares=[self._errors, self._auth], client_max_size=options.max_body_bytes
         )
-        self.vocab = int(engine.vault.manifest.topology["vocab_size"])
+        self.vocab = engine.vault.manifest.shape.vocab_size
         self.app.add_routes(
             [
                 web.get("/health", self.health),

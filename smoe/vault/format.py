@@ -18,6 +18,7 @@ crash, a traceback or silently wrong output. The rules are listed in docs/vault-
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import mmap
@@ -31,7 +32,7 @@ from typing import Any, NoReturn
 
 from smoe.errors import VaultError
 from smoe.fsutil import recover_dir, write_json_atomic
-from smoe.topology import _EXPERT_COUNT_KEYS, _TOP_K_KEYS
+from smoe.topology import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, Topology
 from smoe.vault.integrity import DEFAULT_ALGORITHM, HASHES, digest
 
 FORMAT = "smoe-vault"
@@ -392,6 +393,13 @@ class Manifest:
     # config.json's {"file", "checksum"}; empty in vaults made before it was recorded.
     config: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
+    def shape(self) -> Topology:
+        """``topology`` typed (validated when the manifest was read): model_type,
+        experts_per_token, vocab_size, ... as attributes."""
+        optional = dict.fromkeys(_OPTIONAL_TOPOLOGY) | {"tie_word_embeddings": False}
+        return Topology.from_json(optional | self.topology)
+
     @property
     def num_records(self) -> int:
         return len(self.layers) * self.num_experts
@@ -497,6 +505,15 @@ class Manifest:
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+){0,31}")
 _LAYER_IN_PATH = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
+
+
+# Topology fields a manifest may leave out (older vaults, models without them).
+_OPTIONAL_TOPOLOGY = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 def _topology(c: _Check, value: Any) -> dict[str, Any]:
