@@ -42,7 +42,7 @@ async def main() -> None:
     rng = random.Random(0)
     rows = []
     async with Engine.open(args.vault, memory=args.memory, max_batch=args.max_batch) as engine:
-        vocab = int(engine.vault.manifest.topology["vocab_size"])
+        vocab = engine.vault.manifest.shape.vocab_size
         eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
         words = [t for t in range(3, vocab) if t not in eos]
         loop = asyncio.get_running_loop()

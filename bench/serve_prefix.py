@@ -37,7 +37,7 @@ async def main() -> None:
         if engine.tokenizer is None:
             raise SystemExit(f"{args.vault} has no tokenizer: chat requests need one")
         rng = random.Random(0)
-        vocab = int(engine.vault.manifest.topology["vocab_size"])
+        vocab = engine.vault.manifest.shape.vocab_size
         words = engine.tokenizer.decode(rng.choices(range(200, vocab), k=args.history_tokens))
         options = ServerOptions(prewarm_when_idle=False)
         server = Server(engine, options)

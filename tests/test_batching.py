@@ -73,7 +73,7 @@ async def batched_decode(engine: Engine, ps: list[list[int]], steps: int) -> lis
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_batched_step_equals_solo_bit_for_bit(arch, vaults):
     vault = vaults(arch)
-    top_k = int(vault.manifest.topology["experts_per_token"])
+    top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):  # the minimum ring: each layer runs in waves
         async with Engine.open(vault.path, **ring) as engine:
             assert engine.runner.batchable
@@ -114,7 +114,7 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
     """Four generate() calls at once, greedy and seeded sampling, on a ring smaller than
     their union: the tokens each would get alone (max_batch=1 runs them one by one)."""
     vault = vaults("qwen3_moe")
-    top_k = int(vault.manifest.topology["experts_per_token"])
+    top_k = vault.manifest.shape.experts_per_token
     ps = prompts()
     async with Engine.open(vault.path, max_batch=1) as engine:
         solo = [

@@ -110,7 +110,7 @@ async def test_the_demo_runs_bit_identical_to_mlx_lm_at_every_ring_size(demo, tm
     want = reference_logits(ref, prompt)
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     m = vault.manifest
-    top_k = int(m.topology["experts_per_token"])
+    top_k = m.shape.experts_per_token
     for name, opts in {
         "minimum": dict(slots=top_k),
         "quarter": dict(slots=m.num_records // 4),

@@ -121,7 +121,7 @@ async def test_cancelling_the_task_leaves_the_engine_usable(vault):
 
 @pytest.mark.asyncio
 async def test_bad_input_fails_before_any_work(vault):
-    top_k = vault.manifest.topology["experts_per_token"]
+    top_k = vault.manifest.shape.experts_per_token
     with pytest.raises(SmoeError, match=f"at least {top_k} slots") as info:
         async with Engine.open(vault.path, memory="10KB"):
             pass
@@ -302,7 +302,7 @@ async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch)
         assert engine.ring.num_slots == 5
     monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
     async with Engine.open(vault.path) as engine:  # never below one token's top-k
-        assert engine.ring.num_slots == m.topology["experts_per_token"]
+        assert engine.ring.num_slots == m.shape.experts_per_token
 
 
 @pytest.mark.asyncio

@@ -139,7 +139,7 @@ async def engine_generate(engine: Engine, prompt, max_tokens: int, **kw) -> list
 
 
 def top_k_of(vault: Vault) -> int:
-    return int(vault.manifest.topology["experts_per_token"])
+    return vault.manifest.shape.experts_per_token
 
 
 # --------------------------------------------------------------------------- fixtures

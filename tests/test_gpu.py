@@ -112,7 +112,7 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
         pytest.skip("MLX's CPU gather_mm computes float32 only")
     vault, model = models(arch, bits)
     m = vault.manifest
-    top_k = int(m.topology["experts_per_token"])
+    top_k = m.shape.experts_per_token
     prompt = np.random.default_rng(7).integers(10, 4000, 100).tolist()
     want_tokens, want_logits = reference(model, prompt, STEPS)
     rings = {
@@ -182,7 +182,7 @@ async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models
     n = 1000
     async with Engine.open(vault.path, slots=m.num_records, **ENGINE) as engine:
         want = await generate(engine, prompt, n)
-    top_k = int(m.topology["experts_per_token"])
+    top_k = m.shape.experts_per_token
     async with Engine.open(vault.path, slots=top_k, workers=4, **ENGINE) as engine:
         shuffled = engine.scheduler.wrap_backend(
             lambda inner: ShuffledReads(inner, 0, [], slow=0.0)

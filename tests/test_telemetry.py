@@ -30,7 +30,7 @@ async def test_archive_records_exact_routing_and_gate_order(vault, tmp_path):
         assert np.array_equal(await engine.logits(prompt), expected_logits)  # no effect
         archive = engine.stop_recording()
         engine.tracer.on_routing = None
-    k = vault.manifest.topology["experts_per_token"]
+    k = vault.manifest.shape.experts_per_token
     assert archive.ranks.shape == (len(prompt), len(vault.manifest.layers), 6)
     assert archive.batch.tolist() == [0] * 64 + [1] * 16
     assert set(archive.phase.tolist()) == {PREFILL}
