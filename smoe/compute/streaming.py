@@ -220,6 +220,14 @@ def gate_ranking(gates: np.ndarray, used: np.ndarray, depth: int) -> np.ndarray:
     return ranked[:, :depth]
 
 
+@dataclass
+class _Seen:
+    """What one streamed call's routing asks for once its experts are served."""
+
+    hints: list[int] = field(default_factory=list)  # experts to hint (runner-ups)
+    bets: tuple[np.ndarray, np.ndarray] | None = None  # (gate logits, top-k): gate echo
+
+
 class StreamingExperts(nn.Module):
     """Drop-in for a SwitchGLU/SwitchMLP whose stacked parameters are ring arrays [S_b, ...].
 
@@ -252,6 +260,7 @@ class StreamingExperts(nn.Module):
         self.num_experts = num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Route -> reserve -> compute -> release, then tell the observers and speculate."""
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
         tracer = self._tracer
         resident = self._source.resident_table(self.layer)
@@ -265,55 +274,63 @@ class StreamingExperts(nn.Module):
             bank, table = resident
             return self._inners[bank](x, table[indices])
         idx = np.array(indices)  # evaluates the routing from the true hidden state
-        bets = None
-        hints: list[int] = []
-        if tracer is not None:
-            flat = idx.reshape(-1, idx.shape[-1])
-            if tracer.popularity is not None:
-                tracer.popularity.add(self.layer, flat)
-            if tracer.on_routing is not None:
-                tracer.on_routing(self.layer, flat)
-            gates = tracer.gates.pop(self.layer, None)
-            g = None
-            if gates is not None:
-                g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
-            record = tracer.recorder.depth if tracer.recorder is not None else 0
-            hint = tracer.hint_depth if tracer.hint is not None else 0
-            ranking = None
-            if g is not None and max(record, hint) > 0:
-                ranking = gate_ranking(g, flat, max(record, hint))
-            if tracer.recorder is not None:
-                if self.layer == tracer.first_layer:
-                    tracer.recorder.begin(flat.shape[0], tracer.phase)
-                if ranking is not None:
-                    tracer.recorder.record(self.layer, ranking[:, :record])
-            if ranking is not None and hint:
-                hints = runner_ups(ranking, flat.shape[-1], hint)
-            if tracer.spec and tracer.phase == 1 and g is not None and flat.shape[0] == 1:
-                bets = (g, flat)  # placed after this layer's own demand has been served
+        seen = self._observe(idx) if tracer is not None else _Seen()
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
-        resident = 0
+        in_ring = 0
         if len(experts) <= capacity:
             run = self._run_overlapped if self.overlap else self._run_whole
-            y, resident = run(x, idx, experts)
+            y, in_ring = run(x, idx, experts)
             waves = 1
         else:
             y, waves = self._run_in_waves(x, idx, experts, capacity)
-        if hints and tracer is not None and tracer.hint is not None:
-            tracer.hint(self.layer, hints)  # after this request, before the next one
-        if bets is not None:
-            self._bet_on_next_token(*bets, tracer.spec)
         if tracer is not None:
-            looking = tracer.lookahead and tracer.phase == 1
-            if looking or tracer.recorder is not None:
-                self._look_ahead(x, idx, prefetch=looking)
-        if self._tracer is not None:
-            self._tracer.calls.append(
-                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, resident)
+            self._after(tracer, x, idx, seen)
+            tracer.calls.append(
+                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, in_ring)
             )
-            self._tracer.unique_experts += len(experts)
+            tracer.unique_experts += len(experts)
         return y
+
+    def _observe(self, idx: np.ndarray) -> _Seen:
+        """Count this call's routing (popularity, test hooks, the archive) and work out,
+        from the router's full ranking, the hints and gate-echo bets to place after it."""
+        tracer = self._tracer
+        flat = idx.reshape(-1, idx.shape[-1])  # [T, k]
+        if tracer.popularity is not None:
+            tracer.popularity.add(self.layer, flat)
+        if tracer.on_routing is not None:
+            tracer.on_routing(self.layer, flat)
+        gates = tracer.gates.pop(self.layer, None)
+        g = None  # router logits [T, E], float32, on the host
+        if gates is not None:
+            g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
+        record = tracer.recorder.depth if tracer.recorder is not None else 0
+        hint = tracer.hint_depth if tracer.hint is not None else 0
+        ranking = None
+        if g is not None and max(record, hint) > 0:
+            ranking = gate_ranking(g, flat, max(record, hint))
+        if tracer.recorder is not None:
+            if self.layer == tracer.first_layer:
+                tracer.recorder.begin(flat.shape[0], tracer.phase)
+            if ranking is not None:
+                tracer.recorder.record(self.layer, ranking[:, :record])
+        seen = _Seen()
+        if ranking is not None and hint:
+            seen.hints = runner_ups(ranking, flat.shape[-1], hint)
+        if tracer.spec and tracer.phase == 1 and g is not None and flat.shape[0] == 1:
+            seen.bets = (g, flat)  # placed after this layer's own demand has been served
+        return seen
+
+    def _after(self, tracer: Tracer, x: mx.array, idx: np.ndarray, seen: _Seen) -> None:
+        """Once this layer's own experts are served: hints, gate-echo bets, lookahead."""
+        if seen.hints and tracer.hint is not None:
+            tracer.hint(self.layer, seen.hints)  # after this request, before the next one
+        if seen.bets is not None:
+            self._bet_on_next_token(*seen.bets, tracer.spec)
+        looking = tracer.lookahead and tracer.phase == 1
+        if looking or tracer.recorder is not None:
+            self._look_ahead(x, idx, prefetch=looking)
 
     def _run(
         self, x: mx.array, idx: np.ndarray, experts: list[int], sort: bool = False
