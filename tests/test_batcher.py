@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from smoe.batcher import Batcher, End, Failed, Meter, RequestState, Ticket, Token
+from smoe.engine.batcher import Batcher, End, Failed, Meter, RequestState, Ticket, Token
 from smoe.errors import SmoeError
 
 pytestmark = pytest.mark.asyncio
@@ -225,7 +225,7 @@ async def test_a_failing_on_idle_does_not_stop_the_batcher():
 
 
 async def test_the_plan_is_a_pure_function_of_the_states():  # (the module is async)
-    from smoe.batcher import next_prefill, ready_to_decode
+    from smoe.engine.batcher import next_prefill, ready_to_decode
 
     tickets = [ticket(n, 0, 1) for n in "abcd"]
     states = [

@@ -1,5 +1,5 @@
 """`smoe serve` continues a reply its client sends back from the ids it generated
-(``PrefixCache.follow_up``, ``smoe.conversation.follow_up_prompt``): only the new turn is
+(``PrefixCache.follow_up``, ``smoe.engine.conversation.follow_up_prompt``): only the new turn is
 prefilled. A reply the client changed, one cut inside a token by a stop string, or one
 whose text is not what its ids decode to is never taken for ours."""
 
@@ -15,8 +15,8 @@ import jinja2
 import pytest
 
 from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
-from smoe.conversation import REPLY_MARK, follow_up_prompt
 from smoe.engine import Engine
+from smoe.engine.conversation import REPLY_MARK, follow_up_prompt
 from smoe.serve.app import Server, ServerOptions
 from smoe.serve.prefix import ChatReply, PrefixCache
 from tests import serving

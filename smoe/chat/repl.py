@@ -18,8 +18,8 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from smoe.conversation import Conversation
 from smoe.engine import Engine
+from smoe.engine.conversation import Conversation
 from smoe.errors import SmoeError
 from smoe.units import format_bytes
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smoe.compute.runner import Sequence_, common_prefix
-from smoe.conversation import follow_up_prompt
+from smoe.engine.conversation import follow_up_prompt
 
 __all__ = ["Cached", "ChatReply", "PrefixCache", "reply_ids"]
 

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from smoe.errors import SmoeError
 
-log = logging.getLogger("smoe.batcher")
+log = logging.getLogger("smoe.engine.batcher")
 
 
 @dataclass

@@ -16,17 +16,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
-from smoe.batcher import Batcher, End, Failed, Meter, Ticket
 from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.streaming import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
+from smoe.engine.batcher import Batcher, End, Failed, Meter, Ticket
+from smoe.engine.events import Event, GenerationStats
+from smoe.engine.options import EngineOptions
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
@@ -34,113 +35,13 @@ from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.learning import Popularity
 from smoe.ring_plan import RingPlan, current_device, plan_ring
-from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
-from smoe.sched.policy import POLICIES, PinnedHot
+from smoe.sched.hints import split_policy_name
+from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
 if TYPE_CHECKING:
-    from smoe.conversation import Conversation
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    prefilled_tokens: int = 0  # prompt tokens actually run (a follow-up turn reuses the rest)
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # request to first token
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0
-    bytes_read: int = 0
-    hits: int = 0
-    misses: int = 0
-    hit_rate: float = 0.0
-    decode_hit_rate: float = 0.0  # experts found in the ring during decode steps
-    prefill_unique_experts: int = 0  # sum over (chunk, layer) of distinct experts
-    prefill_bytes: int = 0
-    decode_bytes_per_token: float = 0.0
-    decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
-    decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
-    decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
-    compute_dtype: str = ""  # e.g. "float32": equal to mlx-lm's run in this same dtype
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Event:
-    """One token (``token``, ``text``), or the end (``finish_reason`` and ``stats``)."""
-
-    token: int | None = None
-    text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS) or "length"
-    stats: GenerationStats | None = None
-
-
-@dataclass
-class EngineOptions:
-    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
-    # else what does (smoe.ring_plan: the GPU's free memory, or half the available memory)
-    slots: int | None = None  # explicit ring size (wins over memory)
-    workers: int = 4  # I/O threads
-    read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
-    dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
-    prefill_chunk: int = 64
-    max_context: int | None = None  # None: the model's max_position_embeddings
-    policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md; a "+hint"
-    # suffix (lru+hint, lfu+hint, lru-layer+hint) feeds it the router's near misses
-    hint_depth: int | None = None  # +hint: gate ranks top_k..hint_depth-1 (None: 4 x top_k)
-    spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
-    lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
-    direct_io: bool = True
-    max_batch: int = 8  # generations decoded together (1: one at a time)
-    device: str | None = None  # "cpu" or "gpu"; None: MLX's default
-    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.ring_plan)
-    bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def check(self, top_k: int, num_experts: int) -> None:
-        """Refuse any option that cannot work with a model routing ``top_k`` of
-        ``num_experts`` experts per layer (SmoeError naming the fix), before the engine
-        takes a resource: no file, thread or ring is left behind by a bad option."""
-        if self.prefill_chunk < 1:
-            raise SmoeError("prefill_chunk must be at least 1")
-        if self.max_batch < 1:
-            raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
-        if self.workers < 1:
-            raise SmoeError("workers must be at least 1")
-        if self.read_parts is not None and self.read_parts < 1:
-            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise SmoeError(
-                f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16"
-            )
-        if self.device is not None and self.device not in ("cpu", "gpu"):
-            raise SmoeError(f"device must be cpu or gpu, not {self.device!r}")
-        if self.ring not in ("auto", "unified", "staged"):
-            raise SmoeError(f"ring must be auto, unified or staged, not {self.ring!r}")
-        if not 0 <= self.spec <= num_experts - top_k:
-            raise SmoeError(
-                f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
-                f"routing {top_k} of {num_experts} experts"
-            )
-        base, hinted = split_policy_name(self.policy)
-        if base not in POLICIES:
-            names = ", ".join(sorted(POLICIES))
-            raise SmoeError(f"unknown policy {self.policy!r}; choose one of {names}")
-        if hinted and not takes_hints(POLICIES[base]):
-            raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
-        if not hinted and self.hint_depth is not None:
-            raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
-        if hinted and not top_k < self.hint_depth_for(top_k, num_experts) <= num_experts:
-            raise SmoeError(f"hint_depth must lie in {top_k + 1}..{num_experts}")
-
-    def hint_depth_for(self, top_k: int, num_experts: int) -> int:
-        """The gate ranks a '+hint' policy is fed: hint_depth, else 4 x top_k."""
-        if self.hint_depth is not None:
-            return self.hint_depth
-        return default_hint_depth(top_k, num_experts)
+    from smoe.engine.conversation import Conversation
 
 
 class Engine:
@@ -532,14 +433,14 @@ class Engine:
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see Conversation)."""
-        from smoe.conversation import Conversation
+        from smoe.engine.conversation import Conversation
 
         return Conversation(self, system=system)
 
     async def load_conversation(self, path: str | Path) -> Conversation:
         """A conversation saved by ``Conversation.save``; SmoeError if unreadable or made
         with another vault."""
-        from smoe.conversation import Conversation
+        from smoe.engine.conversation import Conversation
 
         return await Conversation.load(self, path)
 

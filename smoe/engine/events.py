@@ -1,0 +1,41 @@
+"""What a generation yields: ``Event`` per token (and a last one with ``stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens actually run (a follow-up turn reuses the rest)
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # request to first token
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    decode_hit_rate: float = 0.0  # experts found in the ring during decode steps
+    prefill_unique_experts: int = 0  # sum over (chunk, layer) of distinct experts
+    prefill_bytes: int = 0
+    decode_bytes_per_token: float = 0.0
+    decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
+    decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
+    decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
+    compute_dtype: str = ""  # e.g. "float32": equal to mlx-lm's run in this same dtype
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Event:
+    """One token (``token``, ``text``), or the end (``finish_reason`` and ``stats``)."""
+
+    token: int | None = None
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stats: GenerationStats | None = None

@@ -1,0 +1,75 @@
+"""``EngineOptions``: every knob of an engine, checked before the engine starts anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from smoe.errors import SmoeError
+from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
+from smoe.sched.policy import POLICIES
+
+
+@dataclass
+class EngineOptions:
+    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
+    # else what does (smoe.ring_plan: the GPU's free memory, or half the available memory)
+    slots: int | None = None  # explicit ring size (wins over memory)
+    workers: int = 4  # I/O threads
+    read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
+    dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
+    prefill_chunk: int = 64
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md; a "+hint"
+    # suffix (lru+hint, lfu+hint, lru-layer+hint) feeds it the router's near misses
+    hint_depth: int | None = None  # +hint: gate ranks top_k..hint_depth-1 (None: 4 x top_k)
+    spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
+    lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
+    direct_io: bool = True
+    max_batch: int = 8  # generations decoded together (1: one at a time)
+    device: str | None = None  # "cpu" or "gpu"; None: MLX's default
+    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.ring_plan)
+    bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, top_k: int, num_experts: int) -> None:
+        """Refuse any option that cannot work with a model routing ``top_k`` of
+        ``num_experts`` experts per layer (SmoeError naming the fix), before the engine
+        takes a resource: no file, thread or ring is left behind by a bad option."""
+        if self.prefill_chunk < 1:
+            raise SmoeError("prefill_chunk must be at least 1")
+        if self.max_batch < 1:
+            raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
+        if self.workers < 1:
+            raise SmoeError("workers must be at least 1")
+        if self.read_parts is not None and self.read_parts < 1:
+            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise SmoeError(
+                f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16"
+            )
+        if self.device is not None and self.device not in ("cpu", "gpu"):
+            raise SmoeError(f"device must be cpu or gpu, not {self.device!r}")
+        if self.ring not in ("auto", "unified", "staged"):
+            raise SmoeError(f"ring must be auto, unified or staged, not {self.ring!r}")
+        if not 0 <= self.spec <= num_experts - top_k:
+            raise SmoeError(
+                f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
+                f"routing {top_k} of {num_experts} experts"
+            )
+        base, hinted = split_policy_name(self.policy)
+        if base not in POLICIES:
+            names = ", ".join(sorted(POLICIES))
+            raise SmoeError(f"unknown policy {self.policy!r}; choose one of {names}")
+        if hinted and not takes_hints(POLICIES[base]):
+            raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
+        if not hinted and self.hint_depth is not None:
+            raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
+        if hinted and not top_k < self.hint_depth_for(top_k, num_experts) <= num_experts:
+            raise SmoeError(f"hint_depth must lie in {top_k + 1}..{num_experts}")
+
+    def hint_depth_for(self, top_k: int, num_experts: int) -> int:
+        """The gate ranks a '+hint' policy is fed: hint_depth, else 4 x top_k."""
+        if self.hint_depth is not None:
+            return self.hint_depth
+        return default_hint_depth(top_k, num_experts)
