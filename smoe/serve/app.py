@@ -103,6 +103,16 @@ class _Turn:
     continued: bool = False
 
 
+def _usage(prompt: int, completion: int, reused: int) -> dict[str, Any]:
+    """OpenAI's usage block; ``cached_tokens`` is its name for the prompt tokens reused."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    }
+
+
 def _failure(e: Exception, rid: str) -> ApiError:
     """What the client is told about a failure that is not its request's fault. A
     SmoeError or OSError (the vault or disk failing, the engine closed) is the operator's
@@ -434,16 +444,7 @@ class Server:
         out = _Completion(chat, StopMatcher(opts.stops))
         request_id = _request_id.get()
         kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
-        response: web.StreamResponse | None = None
-        if opts.stream:
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": request_id,
-                }
-            )
-            await response.prepare(request)
+        response = await self._open_stream(request, request_id) if opts.stream else None
         try:
             events = engine.stream(
                 ids,
@@ -479,17 +480,25 @@ class Server:
         finally:
             if seq is not None:
                 self.cache.put(seq, kept)
-        usage: dict[str, Any] = {
-            "prompt_tokens": len(ids),
-            "completion_tokens": out.completion,
-            "total_tokens": len(ids) + out.completion,
-            "prompt_tokens_details": {"cached_tokens": reused},  # OpenAI's name for reuse
-        }
+        usage = _usage(len(ids), out.completion, reused)
         if response is None:
             return web.json_response(out.body(self.options.model_name, usage))
         await self._sse(response, out.id, out.kind, out.created, "", out.finish, chat, usage)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _open_stream(request: web.Request, request_id: str) -> web.StreamResponse:
+        """A server-sent-events answer, its status (200) and headers sent."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+            }
+        )
+        await response.prepare(request)
         return response
 
     @staticmethod
