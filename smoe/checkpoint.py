@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import CheckpointError, SmoeError, UnsupportedModelError
+from smoe.models import architecture
 from smoe.topology import (
     ExpertModule,
     Topology,
@@ -92,24 +93,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _adapt_transformers_gpt_oss(weights: dict[str, Any]) -> dict[str, Any]:
-    """transformers' float gpt_oss experts -> the layout mlx-lm's gpt_oss sanitize reads.
-
-    transformers stores ``experts.gate_up_proj`` as [E, in, out] (interleaved gate/up
-    columns); mlx-lm's sanitize expects OpenAI's [E, out, in] with a ``.weight`` suffix.
-    """
-    out = {}
-    for k, v in weights.items():
-        if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) and v.ndim == 3:
-            out[k + ".weight"] = v.swapaxes(-1, -2)
-        else:
-            out[k] = v
-    return out
-
-
-_SOURCE_ADAPTERS = {"gpt_oss": _adapt_transformers_gpt_oss}
-
-
 @dataclass
 class SourceCheckpoint:
     """A checkpoint opened lazily: its mlx-lm model, parameters and expert modules."""
@@ -142,7 +125,8 @@ def open_checkpoint(model_dir: Path | str) -> SourceCheckpoint:
     config = normalize_config(raw)
     model_class, args_class = model_classes(config)
 
-    adapter = _SOURCE_ADAPTERS.get(config["model_type"])
+    arch = architecture(config["model_type"])
+    adapter = arch.source_adapter if arch is not None else None
 
     class _Adapted(model_class):  # type: ignore[misc, valid-type]
         def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:

@@ -668,6 +668,7 @@ def _add_inspect(sub: Any) -> None:
 
 def _add_synth(sub: Any) -> None:
     """`smoe synth` and its options."""
+    from smoe.models import ARCHITECTURES
     from smoe.vault.convert import DTYPE_CHOICES
 
     s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")
@@ -675,7 +676,7 @@ def _add_synth(sub: Any) -> None:
     s.add_argument(
         "--arch",
         default="qwen3_moe",
-        help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss",
+        help=f"one of {', '.join(ARCHITECTURES)} (default qwen3_moe)",
     )
     s.add_argument(
         "--preset",

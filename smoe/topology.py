@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import CheckpointError, UnsupportedModelError
+from smoe.models import architecture
 
 # Each group lists spellings of one quantity; the first that is present fills the others.
 _ALIASES: tuple[tuple[str, ...], ...] = (
@@ -142,9 +143,9 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
         if heads and out.get("hidden_size"):
             out["head_dim"] = out["hidden_size"] // heads
 
-    # mlx-lm's deepseek_v2 always builds its YaRN rope; a factor of 1 is plain RoPE.
-    if out.get("model_type") == "deepseek_v2" and out.get("rope_scaling") is None:
-        out["rope_scaling"] = {"type": "yarn", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0}
+    arch = architecture(str(out.get("model_type")))
+    if arch is not None and arch.config_fixup is not None:
+        arch.config_fixup(out)  # what mlx-lm's model of this architecture needs more
 
     missing = sorted(k for k in _required_fields(args_class) if out.get(k) is None)
     if missing:

@@ -19,11 +19,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-# Model types whose batched decode is tested against solo decode (tests/test_batching.py).
-# Others decode a batch one sequence after another: the same results, no shared reads.
-BATCHED_MODEL_TYPES = frozenset(
-    {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"}
-)
+from smoe.models import architecture
+
 # The decoder layer's module that consumes the cache, by the names mlx-lm uses.
 CACHE_CONSUMERS = ("self_attn", "attention", "linear_attn")
 
@@ -87,7 +84,8 @@ def _pick(value: Any, row: int, cache: Any) -> Any:
 def install_rowwise_attention(model: nn.Module, model_type: str) -> bool:
     """Wrap every decoder layer's cache consumer in ``RowwiseAttention`` (after the
     weights are loaded: parameter paths change). Returns whether batched decode is on."""
-    if model_type not in BATCHED_MODEL_TYPES:
+    arch = architecture(model_type)  # batched decode is tested per architecture
+    if arch is None or not arch.batched_decode:
         return False
     layers = getattr(model, "layers", None)
     if not layers:

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from smoe.errors import SmoeError
+from smoe.models import ARCHITECTURES
 from smoe.synth import layout, tokenizer, weights
 from smoe.synth.presets import ARCHS, ENDOFTEXT_ID, IM_END_ID, PRESETS, Preset, resolve
 
@@ -107,7 +108,7 @@ def _write_checkpoint(
         weights.init_for,
         hidden=p.hidden,
         experts=p.experts,
-        sigmoid_router=arch == "deepseek_v3",
+        sigmoid_router=ARCHITECTURES[arch].sigmoid_router,
         tied=not any(s.name.endswith("lm_head.weight") for s in specs),
         # Keeps stray bytes and control characters out of greedy and chat output.
         quiet_tokens=tokenizer.quiet_tokens(tokenizer_json),

@@ -6,31 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from smoe.errors import SmoeError
+from smoe.models import ARCHITECTURES
 
-# Hugging Face model_type values that `smoe synth` can write.
-ARCHS: tuple[str, ...] = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-)
+# Hugging Face model_type values that `smoe synth` can write: every known architecture.
+ARCHS: tuple[str, ...] = tuple(ARCHITECTURES)
 
 # Token ids fixed by the synthetic tokenizer (smoe.synth.tokenizer.SPECIAL_TOKENS order).
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
-
-DEEPSEEK_V2_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 40.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 0.707,
-    "mscale_all_dim": 0.707,
-}
 
 
 @dataclass(frozen=True)
@@ -136,8 +118,7 @@ def resolve(arch: str, preset: str, layers: int | None) -> tuple[Preset, int]:
             f"use --arch {p.archs[0]} or a preset for {arch} (tiny, demo)"
         )
     n = p.layers if layers is None else layers
-    # DeepSeek's first layer is dense, so it needs two to contain any experts.
-    least = 2 if arch.startswith("deepseek") else 1
+    least = ARCHITECTURES[arch].min_layers
     if n < least:
         raise SmoeError(f"--layers must be at least {least} for {arch}, got {n}")
     return p, n
@@ -160,51 +141,4 @@ def config_kwargs(arch: str, p: Preset, layers: int) -> dict[str, Any]:
         kw["max_position_embeddings"] = p.max_positions
     if p.rope_theta is not None:
         kw["rope_theta"] = p.rope_theta
-    moe = dict(num_experts_per_tok=p.top_k)
-    if arch == "qwen3_moe":
-        kw |= moe | dict(
-            head_dim=p.head_dim,
-            num_experts=p.experts,
-            moe_intermediate_size=p.moe_intermediate,
-            intermediate_size=p.dense_intermediate,
-            norm_topk_prob=True,  # as in the released Qwen3 MoE checkpoints
-        )
-    elif arch == "qwen2_moe":
-        kw |= moe | dict(
-            num_experts=p.experts,
-            moe_intermediate_size=p.moe_intermediate,
-            intermediate_size=p.dense_intermediate,
-            shared_expert_intermediate_size=p.dense_intermediate,
-        )
-    elif arch == "mixtral":
-        kw |= moe | dict(
-            head_dim=p.head_dim, num_local_experts=p.experts, intermediate_size=p.moe_intermediate
-        )
-    elif arch == "olmoe":
-        kw |= moe | dict(num_experts=p.experts, intermediate_size=p.moe_intermediate)
-    elif arch in ("deepseek_v2", "deepseek_v3"):
-        kw |= moe | dict(
-            num_key_value_heads=p.heads,  # MLA: every head has its own keys and values
-            n_routed_experts=p.experts,
-            n_shared_experts=1,
-            moe_intermediate_size=p.moe_intermediate,
-            intermediate_size=p.dense_intermediate,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            qk_nope_head_dim=p.head_dim,
-            qk_rope_head_dim=p.head_dim // 2,
-            v_head_dim=p.head_dim,
-            kv_lora_rank=2 * p.head_dim,
-            q_lora_rank=3 * p.hidden // 4,
-        )
-        if arch == "deepseek_v2":
-            # DeepSeek-V2(-Lite)'s own YaRN settings: mlx-lm's deepseek_v2 requires rope scaling.
-            kw |= dict(rope_parameters=dict(DEEPSEEK_V2_YARN), max_position_embeddings=163840)
-    elif arch == "gpt_oss":
-        kw |= moe | dict(
-            head_dim=p.head_dim, num_local_experts=p.experts, intermediate_size=p.moe_intermediate
-        )
-    else:  # pragma: no cover - ARCHS and this table must agree
-        raise AssertionError(arch)
-    return kw
+    return kw | {"num_experts_per_tok": p.top_k} | ARCHITECTURES[arch].synth_config(p)
