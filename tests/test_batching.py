@@ -208,12 +208,12 @@ async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
         r = engine.runner
         seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts()]
         routed: list[np.ndarray] = []
-        engine.tracer.on_routing = lambda layer, idx: routed.append(idx)
+        engine.tracer.observers.on_routing = lambda layer, idx: routed.append(idx)
         stats = engine.scheduler.stats
         asked0 = stats.hits + stats.misses
         await engine.compute.run(r.step_batch, seqs)
         asked = stats.hits + stats.misses - asked0
-        engine.tracer.on_routing = None
+        engine.tracer.observers.on_routing = None
     assert all(idx.shape[0] == len(seqs) for idx in routed)  # one call per layer, B rows
     unions = [len(np.unique(idx)) for idx in routed]
     per_row = [sum(len(set(row)) for row in idx) for idx in routed]

@@ -43,7 +43,7 @@ async def test_follow_up_prefills_only_what_is_new(vault):
         assert s1.prefilled_tokens == s1.prompt_tokens - 1  # the last one runs in the step
         stream = conv.tokens
         prompt2 = conv.template([*conv.messages, {"role": "user", "content": "More."}])
-        engine.tracer.calls.clear()
+        engine.tracer.counters.calls.clear()
         _, s2 = await reply(conv, "More.", max_tokens=1)
         # The reply's last token was sampled but never run: it is not in the cache yet.
         reused = min(common_prefix(stream, prompt2), len(stream) - 1)
@@ -52,7 +52,7 @@ async def test_follow_up_prefills_only_what_is_new(vault):
         assert reused >= s1.prompt_tokens  # the whole first prompt is reused
         # Counted independently: tokens the first MoE layer saw in this turn.
         first_layer = vault.manifest.layers[0].layer
-        seen = sum(t.tokens for t in engine.tracer.calls if t.layer == first_layer)
+        seen = sum(t.tokens for t in engine.tracer.counters.calls if t.layer == first_layer)
         assert seen == s2.prefilled_tokens + 1  # + the step that sampled the reply
 
 

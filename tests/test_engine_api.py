@@ -244,10 +244,12 @@ async def test_partly_resident_layers_compute_the_same(vault):
     # 20 slots for 3 layers x 8 experts: LRU keeps part of each layer between chunks.
     async with Engine.open(vault.path, slots=20) as engine:
         await engine.logits(prompt[:40])  # leave some experts behind
-        engine.tracer.calls.clear()
+        engine.tracer.counters.calls.clear()
         assert np.array_equal(await engine.logits(prompt), expected)
         mixed = [
-            t for t in engine.tracer.calls if t.waves == 1 and 0 < t.resident < t.unique_experts
+            t
+            for t in engine.tracer.counters.calls
+            if t.waves == 1 and 0 < t.resident < t.unique_experts
         ]
         assert mixed, "no layer was partly resident: the overlapped path was not exercised"
 

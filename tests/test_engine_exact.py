@@ -205,7 +205,7 @@ async def test_every_memory_budget_gives_the_same_bits(quantized):
         async with Engine.open(vault.path, **opts) as engine:
             assert engine.ring.num_slots == expected_slots[name]
             assert np.array_equal(await engine.logits(prompt), want), name
-            waves = max(t.waves for t in engine.tracer.calls)
+            waves = max(t.waves for t in engine.tracer.counters.calls)
             if name == "minimum":
                 assert waves > 1, "the minimal ring must split MoE layers into waves"
             else:
@@ -290,7 +290,7 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
                 shuffled = engine.scheduler.wrap_backend(
                     functools.partial(ShuffledReads, seed=seed, log=log)
                 )
-                engine.tracer.on_routing = log_routing(log)
+                engine.tracer.observers.on_routing = log_routing(log)
                 assert np.array_equal(await engine.logits(prompt), want), (seed, slots)
                 step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
                 for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
@@ -298,7 +298,7 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
                 assert shuffled.max_in_flight > 1
                 assert engine.scheduler.stats.io_errors == 0
                 reordered += shuffled.finished != shuffled.started
-                waves += sum(t.waves > 1 for t in engine.tracer.calls)
+                waves += sum(t.waves > 1 for t in engine.tracer.counters.calls)
             for _, idx, reads in calls_and_reads(log):
                 partial += 0 < len(reads) < len(np.unique(idx))
     assert reordered, "the wrapper never made reads complete out of order"
@@ -433,9 +433,9 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
     log: list = []
     async with Engine.open(vault.path, **options) as engine:
         engine.scheduler.wrap_backend(lambda inner: RecordingReads(inner, log))
-        engine.tracer.on_routing = log_routing(log)
+        engine.tracer.observers.on_routing = log_routing(log)
         await engine.logits(prompt)
-        stats, traces = engine.scheduler.stats, engine.tracer.calls
+        stats, traces = engine.scheduler.stats, engine.tracer.counters.calls
     calls = calls_and_reads(log)
     assert len(calls) == len(traces) and stats.io_errors == 0
     for (layer, idx, reads), trace in zip(calls, traces, strict=True):
@@ -644,14 +644,14 @@ async def test_resident_routing_is_counted_as_the_streaming_path_counts_it(quant
                         await engine.scheduler.acquire(spec.layer, range(m.num_experts))
                     )
             engine.popularity.session[:] = 0
-            before = engine.tracer.unique_experts
-            engine.tracer.calls.clear()
+            before = engine.tracer.counters.unique_experts
+            engine.tracer.counters.calls.clear()
             await engine_generate(engine, prompt, DECODE_STEPS)
             assert (engine.runner.built_ahead > 0) == (name == "resident")
             counted[name] = (
                 engine.popularity.session.copy(),
-                engine.tracer.unique_experts - before,
-                [(t.layer, t.tokens, t.unique_experts) for t in engine.tracer.calls],
+                engine.tracer.counters.unique_experts - before,
+                [(t.layer, t.tokens, t.unique_experts) for t in engine.tracer.counters.calls],
             )
     (pop_s, uniq_s, calls_s), (pop_r, uniq_r, calls_r) = counted["streaming"], counted["resident"]
     assert pop_s.sum() > 0 and np.array_equal(pop_s, pop_r)

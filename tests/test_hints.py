@@ -124,7 +124,7 @@ async def test_recorded_lookahead_is_what_the_engine_predicted(vault):
             used = set(archive.ranks[row, pos, :k].tolist())
             hits += len(used & set(archive.ahead[row, pos, :k].tolist()))
             total += len(used)
-    assert (tracer.lookahead_hits, tracer.lookahead_total) == (hits, total)
+    assert (tracer.counters.lookahead_hits, tracer.counters.lookahead_total) == (hits, total)
     assert 0 < hits < total
     stream, spec = foresight_from_archive(archive, lookahead=True)
     got = replay(stream.with_foresight(None, spec["lookahead"]), SLOTS, "lru", prefetch=True)

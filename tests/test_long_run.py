@@ -44,7 +44,7 @@ async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(tmp
         gc.collect()
         after = rss_bytes()
         tracer = engine.tracer
-        assert len(tracer.calls) == 1000 < 2000 * layers  # the oldest were dropped
-        assert not tracer.deferred and len(tracer.gates) <= layers
-        assert len(tracer.predicted) <= layers
+        assert len(tracer.counters.calls) == 1000 < 2000 * layers  # the oldest were dropped
+        assert not tracer.step.deferred and len(tracer.step.gates) <= layers
+        assert len(tracer.step.predicted) <= layers
     assert after <= warm * 1.05, (warm, after)

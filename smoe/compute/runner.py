@@ -116,11 +116,11 @@ class Runner:
 
     def _phase(self, phase: int) -> None:
         if self.tracer is not None:
-            self.tracer.phase = phase
+            self.tracer.step.phase = phase
 
     def _counted(self) -> None:
         """After a forward pass is evaluated: count the routing it deferred."""
-        if self.tracer is not None and self.tracer.deferred:
+        if self.tracer is not None and self.tracer.step.deferred:
             self.tracer.flush()
 
     def new_cache(self) -> list[Any]:
@@ -214,7 +214,7 @@ class Runner:
         seq.cache, seq.cached = self.new_cache(), 0
         seq.ahead, seq.ahead_routing = None, None
         if self.tracer is not None:
-            self.tracer.deferred.clear()  # that pass's routing is not counted
+            self.tracer.step.deferred.clear()  # that pass's routing is not counted
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""

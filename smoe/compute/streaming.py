@@ -101,42 +101,73 @@ CALLS_KEPT = 8192
 
 
 @dataclass
-class Tracer:
+class TraceCounters:
+    """What the streamed passes did, for tests, benchmarks and the REPL's status line."""
+
     calls: deque[LayerTrace] = field(default_factory=lambda: deque(maxlen=CALLS_KEPT))
-    on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
-    recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
-    phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
-    first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
-    gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
-    spec: int = 0  # gate-echo bets per layer and decode step (0: off)
-    popularity: Any = None  # a smoe.learning.Popularity counting demand
-    lookahead: bool = False  # predict layer n+1's experts from layer n's input (decode)
-    routers: dict[int, Any] = field(default_factory=dict)  # layer -> its router module
-    next_layer: dict[int, int] = field(default_factory=dict)  # MoE layer -> next MoE layer
-    predicted: dict[int, set[int]] = field(default_factory=dict)
-    lookahead_hits: int = 0
-    lookahead_total: int = 0
     unique_experts: int = 0  # distinct experts summed over every (pass, MoE layer)
-    # Routing of layers served from resident tables, counted after the pass (no sync).
-    deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
-    num_experts: int = 0  # routed experts per MoE layer (set by build_model)
-    # Router hints (smoe.sched.hints): after each streamed MoE call, hint(layer, experts)
-    # gets the experts of gate ranks top_k .. hint_depth-1 that no token of it used.
-    hint: Callable[[int, list[int]], None] | None = None
-    hint_depth: int = 0
+    lookahead_hits: int = 0  # experts the lookahead predicted that the layer then used
+    lookahead_total: int = 0  # experts the layers used where a prediction was made
 
     @property
     def lookahead_recall(self) -> float:
         return self.lookahead_hits / self.lookahead_total if self.lookahead_total else 0.0
 
+
+@dataclass
+class TraceObservers:
+    """Who is told about routing decisions (each optional)."""
+
+    on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
+    recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
+    popularity: Any = None  # a smoe.learning.Popularity counting demand
+    # Router hints (smoe.sched.hints): after each streamed MoE call, hint(layer, experts)
+    # gets the experts of gate ranks top_k .. hint_depth-1 that no token of it used.
+    hint: Callable[[int, list[int]], None] | None = None
+
+
+@dataclass
+class PassState:
+    """State of the forward pass in progress, set and consumed within it."""
+
+    phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
+    gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
+    predicted: dict[int, set[int]] = field(default_factory=dict)  # lookahead, per layer
+    # Routing of layers served from resident tables, counted after the pass (no sync).
+    deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Tracer:
+    """What the streamed MoE layers share beyond their own weights: the speculation
+    settings and model wiring (fields here), the observers of routing, the state of the
+    pass in progress and the counters, each its own small object."""
+
+    spec: int = 0  # gate-echo bets per layer and decode step (0: off)
+    lookahead: bool = False  # predict layer n+1's experts from layer n's input (decode)
+    hint_depth: int = 0  # gate ranks hinted (observers.hint)
+    first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
+    routers: dict[int, Any] = field(default_factory=dict)  # layer -> its router module
+    next_layer: dict[int, int] = field(default_factory=dict)  # MoE layer -> next MoE layer
+    num_experts: int = 0  # routed experts per MoE layer (set by build_model)
+    observers: TraceObservers = field(default_factory=TraceObservers)
+    step: PassState = field(default_factory=PassState)
+    counters: TraceCounters = field(default_factory=TraceCounters)
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.counters.lookahead_recall
+
     def wants_gates(self) -> bool:
         """Whether router logits are kept for the host (archives, gate echo, hints)."""
-        return self.recorder is not None or bool(self.spec) or self.hint is not None
+        o = self.observers
+        return o.recorder is not None or bool(self.spec) or o.hint is not None
 
     def needs_routing_now(self) -> bool:
         """Whether a layer's routing must reach the host during the pass (archives,
         test hooks and gate-echo bets read it there)."""
-        return self.recorder is not None or self.on_routing is not None or bool(self.spec)
+        o = self.observers
+        return o.recorder is not None or o.on_routing is not None or bool(self.spec)
 
     def flush(self) -> None:
         """Count the deferred routing of the pass just evaluated (popularity, distinct
@@ -147,7 +178,7 @@ class Tracer:
         """The routing deferred since the last take (one pass's, when taken after each
         pass is built), as a lazy per-layer histogram; evaluate ``counts`` with the pass
         and ``count`` it then: reading it back costs one small copy, no device sync."""
-        deferred, self.deferred = self.deferred, []
+        deferred, self.step.deferred = self.step.deferred, []
         if not deferred:
             return None
         assert self.num_experts > 0, "build_model sets num_experts"
@@ -168,15 +199,15 @@ class Tracer:
         if routing is None:
             return
         hist = np.array(routing.counts)  # [L, E]
-        if self.popularity is not None:
-            self.popularity.add_counts([layer for layer, _ in routing.layers], hist)
+        if self.observers.popularity is not None:
+            self.observers.popularity.add_counts([layer for layer, _ in routing.layers], hist)
         unique = (hist > 0).sum(axis=1)
         for (layer, source), rows, n in zip(
             routing.layers, routing.rows, unique.tolist(), strict=True
         ):
             source.count_resident(n)
-            self.calls.append(LayerTrace(layer, rows, n, 1, n))
-            self.unique_experts += n
+            self.counters.calls.append(LayerTrace(layer, rows, n, 1, n))
+            self.counters.unique_experts += n
 
 
 @dataclass
@@ -201,7 +232,7 @@ class RouterTap(nn.Module):
         out = self.router(x)
         # Some routers (DeepSeek's MoEGate) return (indices, scores), not logits.
         if isinstance(out, mx.array) and self._tracer.wants_gates():
-            self._tracer.gates[self._layer] = out
+            self._tracer.step.gates[self._layer] = out
         return out
 
 
@@ -269,8 +300,8 @@ class StreamingExperts(nn.Module):
             # need not reach the host; the slot ids are gathered on the device, and
             # mlx-lm's call is the same one it makes in memory.
             if tracer is not None:
-                tracer.deferred.append((self.layer, indices, self._source))
-                tracer.gates.pop(self.layer, None)  # kept for hints: none needed here
+                tracer.step.deferred.append((self.layer, indices, self._source))
+                tracer.step.gates.pop(self.layer, None)  # kept for hints: none needed here
             bank, table = resident
             return self._inners[bank](x, table[indices])
         idx = np.array(indices)  # evaluates the routing from the true hidden state
@@ -286,10 +317,10 @@ class StreamingExperts(nn.Module):
             y, waves = self._run_in_waves(x, idx, experts, capacity)
         if tracer is not None:
             self._after(tracer, x, idx, seen)
-            tracer.calls.append(
+            tracer.counters.calls.append(
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, in_ring)
             )
-            tracer.unique_experts += len(experts)
+            tracer.counters.unique_experts += len(experts)
         return y
 
     def _observe(self, idx: np.ndarray) -> _Seen:
@@ -297,39 +328,39 @@ class StreamingExperts(nn.Module):
         from the router's full ranking, the hints and gate-echo bets to place after it."""
         tracer = self._tracer
         flat = idx.reshape(-1, idx.shape[-1])  # [T, k]
-        if tracer.popularity is not None:
-            tracer.popularity.add(self.layer, flat)
-        if tracer.on_routing is not None:
-            tracer.on_routing(self.layer, flat)
-        gates = tracer.gates.pop(self.layer, None)
+        if tracer.observers.popularity is not None:
+            tracer.observers.popularity.add(self.layer, flat)
+        if tracer.observers.on_routing is not None:
+            tracer.observers.on_routing(self.layer, flat)
+        gates = tracer.step.gates.pop(self.layer, None)
         g = None  # router logits [T, E], float32, on the host
         if gates is not None:
             g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
-        record = tracer.recorder.depth if tracer.recorder is not None else 0
-        hint = tracer.hint_depth if tracer.hint is not None else 0
+        record = tracer.observers.recorder.depth if tracer.observers.recorder is not None else 0
+        hint = tracer.hint_depth if tracer.observers.hint is not None else 0
         ranking = None
         if g is not None and max(record, hint) > 0:
             ranking = gate_ranking(g, flat, max(record, hint))
-        if tracer.recorder is not None:
+        if tracer.observers.recorder is not None:
             if self.layer == tracer.first_layer:
-                tracer.recorder.begin(flat.shape[0], tracer.phase)
+                tracer.observers.recorder.begin(flat.shape[0], tracer.step.phase)
             if ranking is not None:
-                tracer.recorder.record(self.layer, ranking[:, :record])
+                tracer.observers.recorder.record(self.layer, ranking[:, :record])
         seen = _Seen()
         if ranking is not None and hint:
             seen.hints = runner_ups(ranking, flat.shape[-1], hint)
-        if tracer.spec and tracer.phase == 1 and g is not None and flat.shape[0] == 1:
+        if tracer.spec and tracer.step.phase == 1 and g is not None and flat.shape[0] == 1:
             seen.bets = (g, flat)  # placed after this layer's own demand has been served
         return seen
 
     def _after(self, tracer: Tracer, x: mx.array, idx: np.ndarray, seen: _Seen) -> None:
         """Once this layer's own experts are served: hints, gate-echo bets, lookahead."""
-        if seen.hints and tracer.hint is not None:
-            tracer.hint(self.layer, seen.hints)  # after this request, before the next one
+        if seen.hints and tracer.observers.hint is not None:
+            tracer.observers.hint(self.layer, seen.hints)  # after this request, before the next one
         if seen.bets is not None:
             self._bet_on_next_token(*seen.bets, tracer.spec)
-        looking = tracer.lookahead and tracer.phase == 1
-        if looking or tracer.recorder is not None:
+        looking = tracer.lookahead and tracer.step.phase == 1
+        if looking or tracer.observers.recorder is not None:
             self._look_ahead(x, idx, prefetch=looking)
 
     def _run(
@@ -349,11 +380,11 @@ class StreamingExperts(nn.Module):
         nothing is prefetched (``prefetch`` False: prefill, or lookahead off)."""
         tracer = self._tracer
         k = idx.shape[-1]
-        guess = tracer.predicted.pop(self.layer, None)
+        guess = tracer.step.predicted.pop(self.layer, None)
         if guess is not None:
             used = set(idx.reshape(-1).tolist())
-            tracer.lookahead_hits += len(guess & used)
-            tracer.lookahead_total += len(used)
+            tracer.counters.lookahead_hits += len(guess & used)
+            tracer.counters.lookahead_total += len(used)
         nxt = tracer.next_layer.get(self.layer)
         if nxt is None or nxt not in tracer.routers:
             return
@@ -363,14 +394,16 @@ class StreamingExperts(nn.Module):
         else:
             logits = np.array(out.astype(mx.float32))
             logits = logits.reshape(-1, logits.shape[-1])  # [B, E]
-            depth = max(k, tracer.recorder.depth if tracer.recorder is not None else k)
+            depth = max(
+                k, tracer.observers.recorder.depth if tracer.observers.recorder is not None else k
+            )
             ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]  # [B, depth]
-        if tracer.recorder is not None:
-            tracer.recorder.record_ahead(nxt, ranked)
+        if tracer.observers.recorder is not None:
+            tracer.observers.recorder.record_ahead(nxt, ranked)
         if not prefetch:
             return
         top = np.unique(ranked[:, :k]).tolist()  # a batched step: the union of the rows' guesses
-        tracer.predicted[nxt] = set(top)
+        tracer.step.predicted[nxt] = set(top)
         self._source.prefetch(nxt, top)
 
     def _bet_on_next_token(self, gates: np.ndarray, used: np.ndarray, n: int) -> None:

@@ -120,7 +120,7 @@ class Engine:
             self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
         )
         self.popularity = Popularity(self.vault)
-        self.tracer.popularity = self.popularity
+        self.tracer.observers.popularity = self.popularity
         base, _ = split_policy_name(o.policy)
         policy: Any = base
         if base == "hot":  # pin the historically hottest half of the ring
@@ -145,7 +145,7 @@ class Engine:
         if split_policy_name(o.policy)[1]:
             top_k = m.shape.experts_per_token
             self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
-            self.tracer.hint = lambda layer, experts: loop.call_soon_threadsafe(
+            self.tracer.observers.hint = lambda layer, experts: loop.call_soon_threadsafe(
                 self.scheduler.hint, layer, experts
             )
         every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
@@ -295,7 +295,7 @@ class Engine:
             sched.hits + self.slots.resident_hits,
             sched.misses,
             self.slots.wait_seconds,
-            self.tracer.unique_experts,
+            self.tracer.counters.unique_experts,
             getattr(self.ring, "commit_seconds", 0.0),
         )
 
@@ -310,14 +310,14 @@ class Engine:
         from smoe.telemetry.archive import ArchiveRecorder
 
         m = self.vault.manifest
-        self.tracer.recorder = ArchiveRecorder(
+        self.tracer.observers.recorder = ArchiveRecorder(
             m.num_experts, m.shape.experts_per_token, [s.layer for s in m.layers], depth
         )
 
     def stop_recording(self) -> Any:
         """Stop recording; return the RoutingArchive (None if not recording)."""
-        recorder, self.tracer.recorder = self.tracer.recorder, None
-        self.tracer.gates.clear()
+        recorder, self.tracer.observers.recorder = self.tracer.observers.recorder, None
+        self.tracer.step.gates.clear()
         if recorder is None:
             return None
         return recorder.archive(
