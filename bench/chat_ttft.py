@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import smoe.aio
+import smoe.util.loop
 from smoe.engine import Engine
 
 WORDS = [
@@ -137,4 +137,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    smoe.aio.run(main())
+    smoe.util.loop.run(main())

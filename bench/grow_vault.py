@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from smoe.fsutil import fsync_path, remove_tree, replace_dir, write_json_atomic
+from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
 from smoe.vault.format import (
     BACKBONE_FILE,
     CONFIG_FILE,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-import smoe.aio
+import smoe.util.loop
 from smoe.engine import Engine
 from smoe.telemetry.archive import DECODE, RoutingArchive
 
@@ -99,4 +99,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    smoe.aio.run(main())
+    smoe.util.loop.run(main())

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-import smoe.aio
+import smoe.util.loop
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 
@@ -153,4 +153,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    smoe.aio.run(main())
+    smoe.util.loop.run(main())

@@ -21,7 +21,7 @@ import time
 
 import aiohttp
 
-import smoe.aio
+import smoe.util.loop
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions, serve
 
@@ -111,4 +111,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    smoe.aio.run(main())
+    smoe.util.loop.run(main())

@@ -7,7 +7,7 @@ the conversation's KV cache.
 import sys
 
 import smoe
-import smoe.aio
+import smoe.util.loop
 from smoe.chat.demo import demo_vault
 
 
@@ -28,4 +28,4 @@ async def main(vault: str) -> None:
 
 
 if __name__ == "__main__":
-    smoe.aio.run(main(sys.argv[1] if len(sys.argv) > 1 else str(demo_vault(print))))
+    smoe.util.loop.run(main(sys.argv[1] if len(sys.argv) > 1 else str(demo_vault(print))))

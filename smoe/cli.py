@@ -45,7 +45,7 @@ def _progress_bar(desc: str, quiet: bool) -> Callable[[str, int, int], None] | N
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from smoe.units import format_bytes
+    from smoe.util.sizes import format_bytes
     from smoe.vault.convert import ConvertOptions, convert
 
     opts = ConvertOptions(
@@ -227,7 +227,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from smoe.aio import run
+    from smoe.util.loop import run
 
     return run(_generate(args))
 
@@ -236,7 +236,7 @@ async def _generate(args: argparse.Namespace) -> int:
     import anyio
 
     from smoe.engine import Engine
-    from smoe.units import format_bytes
+    from smoe.util.sizes import format_bytes
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -300,7 +300,7 @@ def _dtype_note(engine: Any) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from smoe.aio import run
+    from smoe.util.loop import run
 
     return run(_chat(args))
 
@@ -343,7 +343,7 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from smoe.aio import run
+    from smoe.util.loop import run
 
     return run(_serve(args))
 
@@ -351,7 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
-    from smoe.units import parse_size
+    from smoe.util.sizes import parse_size
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
@@ -456,8 +456,8 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_generate(args: argparse.Namespace) -> int:
-    from smoe.aio import run
     from smoe.bench.generate import bench_generate
+    from smoe.util.loop import run
 
     report = run(
         bench_generate(
@@ -483,8 +483,8 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_resident(args: argparse.Namespace) -> int:
-    from smoe.aio import run
     from smoe.bench.resident import bench_resident
+    from smoe.util.loop import run
 
     report = run(
         bench_resident(
@@ -510,8 +510,8 @@ def cmd_bench_resident(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from smoe.aio import run
     from smoe.bench.decode import bench_decode, bench_prefill
+    from smoe.util.loop import run
 
     budgets = args.budgets.split(",")
     if args.bench == "decode":

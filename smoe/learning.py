@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from smoe.fsutil import atomic_write, file_lock, kill_point, sweep_stale
+from smoe.util.files import atomic_write, file_lock, kill_point, sweep_stale
 from smoe.vault.format import Vault
 
 FILE = "popularity.npz"

@@ -22,7 +22,7 @@ from smoe.errors import SmoeError
 from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
-from smoe.units import format_bytes
+from smoe.util.sizes import format_bytes
 from smoe.vault.format import RecordLayout, Vault
 
 KINDS = ("auto", "unified", "staged")

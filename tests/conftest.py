@@ -112,10 +112,10 @@ def make_hf_checkpoint(out: Path, arch: str, seed: int = 0, **overrides) -> Path
 
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs twice: on asyncio's own loop and on uvloop, the loop every
-    `smoe` command runs on (smoe.aio)."""
+    `smoe` command runs on (smoe.util.loop)."""
     import asyncio
 
-    from smoe.aio import loop_factory
+    from smoe.util.loop import loop_factory
 
     factories = {"asyncio": asyncio.new_event_loop}
     uv = loop_factory()

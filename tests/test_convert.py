@@ -319,7 +319,7 @@ def test_force_keeps_a_vault_at_the_target_at_every_step(hf_dir, tmp_path, monke
     any of them leaves one (two renames left none in between)."""
     import os
 
-    import smoe.fsutil as fsutil
+    import smoe.util.files as fsutil
 
     dst = tmp_path / "v"
     convert(hf_dir("olmoe"), dst)

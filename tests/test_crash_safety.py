@@ -2,7 +2,7 @@
 start removes what the dead process left.
 
 Each child process kills itself with SIGKILL when it reaches the point named by the test
-hook $SMOE_TEST_KILL_AT (smoe.fsutil.kill_point), so no timing is involved.
+hook $SMOE_TEST_KILL_AT (smoe.util.files.kill_point), so no timing is involved.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from smoe.errors import SmoeError
-from smoe.fsutil import parse_temp, recover_dir, replace_dir, sweep_stale
 from smoe.learning import Popularity
 from smoe.synth import synthesize
 from smoe.telemetry.archive import RoutingArchive
+from smoe.util.files import parse_temp, recover_dir, replace_dir, sweep_stale
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.format import Vault
 
@@ -75,7 +75,7 @@ def made(tmp_path_factory):
 
 CONVERT = """
     import sys
-    import smoe.fsutil as fsutil
+    import smoe.util.files as fsutil
     from smoe.vault.convert import ConvertOptions, convert
 
     src, dst, no_exchange = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -141,7 +141,7 @@ def test_interrupted_swap_with_an_incomplete_new_tree_puts_the_old_back(tmp_path
 def test_replace_dir_fallback_puts_the_old_tree_back_when_the_second_rename_fails(
     tmp_path, monkeypatch
 ):
-    import smoe.fsutil as fsutil
+    import smoe.util.files as fsutil
 
     (tmp_path / "new").mkdir()
     (tmp_path / "v").mkdir()

@@ -26,7 +26,7 @@ from smoe.errors import SmoeError
 from smoe.io import BufferedIOWarning, DirectReader, StagedRing, VaultReadError, open_direct
 from smoe.io import UnifiedRing as Ring
 from smoe.io.ring import slots_for_budget, suggest_size
-from smoe.units import parse_size
+from smoe.util.sizes import parse_size
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
 from smoe.vault.format import RECORD_ALIGN, SIGNATURE, RecordLayout, Vault, sign_manifest

@@ -244,7 +244,7 @@ async def test_opening_never_waits_for_a_held_lock(shared_vault, tmp_path):
     """A save holding the lock (say, a stopped process) must not block opening the vault."""
     import threading
 
-    from smoe.fsutil import file_lock
+    from smoe.util.files import file_lock
 
     vault = fresh_copy(shared_vault, tmp_path)
     pop = Popularity(vault)

@@ -94,7 +94,7 @@ def test_impossible_gpu_budgets_name_the_fix(vaults):
 
 
 def test_suggested_sizes_never_exceed_the_room():
-    from smoe.units import parse_size
+    from smoe.util.sizes import parse_size
 
     for n in (999, 1000, 12_345_678, 4_290_000_000, 10**12 + 7):
         assert 0 < parse_size(plan_module._size_at_most(n)) <= n

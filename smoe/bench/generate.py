@@ -13,7 +13,7 @@ from typing import Any
 
 from smoe.engine import Engine
 from smoe.errors import SmoeError
-from smoe.units import parse_size
+from smoe.util.sizes import parse_size
 from smoe.vault.format import Vault
 
 

@@ -227,7 +227,7 @@ def streamer_run(
     parts: int | None = None,
     verify: bool = True,
 ) -> RunResult:
-    from smoe.aio import run
+    from smoe.util.loop import run
 
     return run(_streamer(vault, records, workers, slots, batch, path, parts, verify))
 

@@ -21,7 +21,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from smoe.engine import Engine
 from smoe.engine.conversation import Conversation
 from smoe.errors import SmoeError
-from smoe.units import format_bytes
+from smoe.util.sizes import format_bytes
 
 HELP = """commands:
   /reset            forget the conversation (keeps the system prompt)

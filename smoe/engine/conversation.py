@@ -28,7 +28,7 @@ import numpy as np
 
 from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.errors import SmoeError
-from smoe.fsutil import atomic_path, sweep_stale
+from smoe.util.files import atomic_path, sweep_stale
 
 if TYPE_CHECKING:
     from smoe.engine import Engine, Event, GenerationStats

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from smoe.errors import SmoeError
-from smoe.units import format_bytes, parse_size
+from smoe.util.sizes import format_bytes, parse_size
 from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
 T = TypeVar("T")

@@ -53,7 +53,7 @@ from smoe.io.ring import (
     landing_block,
     mx_dtype,
 )
-from smoe.units import format_bytes
+from smoe.util.sizes import format_bytes
 from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from smoe.fsutil import atomic_write, sweep_stale
+from smoe.util.files import atomic_write, sweep_stale
 
 PREFILL, DECODE = 0, 1
 NO_EXPERT = 0xFFFF  # an empty place in ``ahead``

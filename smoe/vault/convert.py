@@ -23,7 +23,7 @@ import numpy as np
 import smoe
 from smoe.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.errors import SmoeError
-from smoe.fsutil import (
+from smoe.util.files import (
     fsync_path,
     recover_dir,
     remove_tree,

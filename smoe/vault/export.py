@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from smoe.errors import SmoeError
-from smoe.fsutil import remove_tree, replace_dir, write_json_atomic
+from smoe.util.files import remove_tree, replace_dir, write_json_atomic
 from smoe.vault.format import MANIFEST, STATS_DIR, Vault
 from smoe.vault.tensorfile import write_safetensors
 

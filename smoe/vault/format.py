@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from smoe.errors import VaultError
-from smoe.fsutil import recover_dir, write_json_atomic
 from smoe.topology import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, Topology
+from smoe.util.files import recover_dir, write_json_atomic
 from smoe.vault.integrity import DEFAULT_ALGORITHM, HASHES, digest
 
 FORMAT = "smoe-vault"
@@ -934,7 +934,7 @@ class Vault:
         """Open and validate the vault at ``path`` (see the class docstring)."""
         path = Path(path)
         # A replacement killed between its two renames (no atomic exchange here) left the
-        # vault aside: put it back before deciding there is none (smoe.fsutil).
+        # vault aside: put it back before deciding there is none (smoe.util.files).
         with contextlib.suppress(OSError):
             recover_dir(path, complete=lambda p: (p / MANIFEST).is_file())
         if not path.is_dir():

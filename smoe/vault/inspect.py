@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smoe.errors import VaultError
-from smoe.units import format_bytes
+from smoe.util.sizes import format_bytes
 from smoe.vault.format import BACKBONE_FILE, CONFIG_FILE, Vault
 from smoe.vault.integrity import hasher
 

@@ -14,7 +14,7 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         import uvloop
     except ImportError:  # Windows, or a minimal install
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
