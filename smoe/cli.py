@@ -213,6 +213,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         busy=tuple(args.busy),
         parts=tuple(None if p == "auto" else p for p in _parts_list(args.parts)),
         verify=not args.no_verify,
+        control=args.control,
     )
     print(json.dumps(report, indent=1))
     for row in report["sweep"]:
@@ -220,7 +221,8 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
             f"{row['path']:>8} busy {row['busy_processes']:>2} parts {row['read_parts']} "
             f"workers {row['workers']:>3}: "
             f"baseline {row['baseline_GBps']:.2f} GB/s, "
-            f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)",
+            f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)"
+            + (f", control {100 * row['control_ratio']:.0f}%" if "control_ratio" in row else ""),
             file=sys.stderr,
         )
     return 0
@@ -827,6 +829,12 @@ def _add_bench_io(bsub: Any) -> None:
         action="store_true",
         help="do not check each record's checksum as it is read (only to measure what "
         "checking costs: the engine always checks)",
+    )
+    bio.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second baseline per repeat: control_ratio (baseline / baseline) is "
+        "how far two identical runs differ on this disk, the noise floor of ratio",
     )
     bio.add_argument("--seed", type=int, default=0)
     bio.set_defaults(func=cmd_bench_io)

@@ -84,6 +84,17 @@ def test_bench_io_reports_both_sides(vault, run_cli):
     assert code == 0 and json.loads(out)["verify"] is False
     assert [row["verify"] for row in json.loads(out)["sweep"]] == [False]
 
+    # --control: a second baseline per repeat gives the A/A ratio, the noise floor
+    code, out, _ = run_cli(
+        "bench", "io", vault.path, "--workers", "1", "--repeats", "2", "--control"
+    )
+    row = json.loads(out)["sweep"][0]
+    assert code == 0 and row["control_GBps"] > 0
+    assert len(row["control_ratio_runs"]) == len(row["ratio_runs"]) == 2
+    assert row["control_ratio"] == pytest.approx(
+        row["control_GBps"] / row["baseline_GBps"], rel=0.02
+    )
+
 
 def test_ring_asks_for_huge_pages(vault):
     from pathlib import Path

@@ -27,7 +27,8 @@ for step in $STEPS; do
     df -h "$DATA"; smoe inspect "$V" | head -3 ;;
   io)
     drop
-    smoe bench io "$V" --workers ${IO_WORKERS:-1,4,8,16} --reads ${IO_READS:-160} --repeats 2 \
+    smoe bench io "$V" --workers ${IO_WORKERS:-1,4,8,16} --reads ${IO_READS:-160} \
+      --repeats ${IO_REPEATS:-2} ${IO_CONTROL:+--control} \
       --path unified,staged --busy 0,${BUSY:-16} > "$OUT/bench_io.json" ;;
   resident)
     drop

@@ -271,13 +271,16 @@ def bench_io(
     busy: tuple[int, ...] = (0,),
     parts: tuple[int | None, ...] = (None,),
     verify: bool = True,
+    control: bool = False,
 ) -> dict[str, Any]:
     """Run the sweep; return the JSON-able report. ``paths``: the rings to measure
     ('unified': reads land in the slots; 'staged': host landings committed into device
     arrays by another thread). ``busy``: numbers of spinning processes to run beside.
     ``parts``: how many parts the streamer reads each record in (None: DirectReader's
     default), one sweep per value. ``verify``: whether the streamer checks each record's
-    checksum (the engine always does; off only to measure its cost)."""
+    checksum (the engine always does; off only to measure its cost). ``control``: also time a
+    second baseline in each repeat, so ``control_ratio`` (baseline / baseline) shows how far
+    two identical runs differ on this disk: the noise floor of ``ratio``."""
     unknown = set(paths) - {"unified", "staged"}
     if unknown:
         raise SmoeError(f"unknown path {sorted(unknown)[0]!r}: use unified, staged or both")
@@ -297,7 +300,18 @@ def bench_io(
                     for w in workers:
                         rows.append(
                             _sweep_row(
-                                vault, stride, n, w, repeats, batch, slots, path, rng, p, verify
+                                vault,
+                                stride,
+                                n,
+                                w,
+                                repeats,
+                                batch,
+                                slots,
+                                path,
+                                rng,
+                                p,
+                                verify,
+                                control,
                             )
                         )
                         rows[-1]["busy_processes"] = load
@@ -315,6 +329,7 @@ def bench_io(
         "ring_slots": slots,
         "direct_io": direct,
         "verify": verify,
+        "control": control,
         "checksum_algorithm": m.checksum_algorithm,
         "ring_huge_pages": UnifiedRing(m.record, 1).huge_pages,
         "cpus": os.cpu_count(),
@@ -335,27 +350,33 @@ def _sweep_row(
     rng: random.Random,
     parts: int | None = None,
     verify: bool = True,
+    control: bool = False,
 ) -> dict[str, Any]:
     m = vault.manifest
-    runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": []}
+    runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": [], "control": []}
     for rep in range(repeats):
         order = rng.sample(range(m.num_records), n)  # random, each record once
-        # ABBA order: a disk that speeds up or slows down over time hits both alike.
+        # ABBA order: a disk that speeds up or slows down over time hits both alike. The
+        # control (a second baseline) mirrors the baseline around the streamer.
         kinds = ["baseline", "streamer"] if rep % 2 == 0 else ["streamer", "baseline"]
+        if control:
+            kinds = ["baseline", "streamer", "control"]
+            kinds = kinds if rep % 2 == 0 else kinds[::-1]
         for kind in kinds:
             drop_file_cache(vault.experts_path)
-            if kind == "baseline":
+            if kind in ("baseline", "control"):
                 # Landing in as many buffers as the ring has slots, as the streamer must: one
                 # reused buffer per thread reads ~30% faster at 1 worker (bench/io_landing.py).
                 result = baseline_run(vault.experts_path, stride, order, w, max(1, slots // w))
             else:
                 result = streamer_run(vault, order, w, slots, batch, path, parts, verify)
             runs[kind].append(result)
-    b, s = (
-        sum(r.bytes for r in runs[k]) / sum(r.seconds for r in runs[k]) / 1e9
-        for k in ("baseline", "streamer")
-    )
-    return {
+
+    def rate(kind: str) -> float:
+        return sum(r.bytes for r in runs[kind]) / sum(r.seconds for r in runs[kind]) / 1e9
+
+    b, s = rate("baseline"), rate("streamer")
+    row = {
         "path": path,
         "workers": w,
         "read_parts": len(split_record(stride, parts)),
@@ -366,4 +387,16 @@ def _sweep_row(
         "ratio": round(s / b, 3),
         "baseline_runs_GBps": [round(r.gbps, 3) for r in runs["baseline"]],
         "streamer_runs_GBps": [round(r.gbps, 3) for r in runs["streamer"]],
+        "ratio_runs": [
+            round(sr.gbps / br.gbps, 3)
+            for sr, br in zip(runs["streamer"], runs["baseline"], strict=True)
+        ],
     }
+    if control:
+        row["control_GBps"] = round(rate("control"), 3)
+        row["control_ratio"] = round(rate("control") / b, 3)
+        row["control_ratio_runs"] = [
+            round(cr.gbps / br.gbps, 3)
+            for cr, br in zip(runs["control"], runs["baseline"], strict=True)
+        ]
+    return row
