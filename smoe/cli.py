@@ -670,7 +670,7 @@ def _add_inspect(sub: Any) -> None:
 
 def _add_synth(sub: Any) -> None:
     """`smoe synth` and its options."""
-    from smoe.models import ARCHITECTURES
+    from smoe.models.registry import ARCHITECTURES
     from smoe.vault.convert import DTYPE_CHOICES
 
     s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from smoe.errors import SmoeError
-from smoe.learning import Popularity
+from smoe.sched.popularity import Popularity
 from smoe.synth import synthesize
 from smoe.telemetry.archive import RoutingArchive
 from smoe.util.files import parse_temp, recover_dir, replace_dir, sweep_stale
@@ -235,7 +235,7 @@ def _child_pid(d: Path) -> int:
 POPULARITY = """
     import sys
     import numpy as np
-    from smoe.learning import Popularity
+    from smoe.sched.popularity import Popularity
     from smoe.vault.format import Vault
 
     p = Popularity(Vault.open(sys.argv[1]))

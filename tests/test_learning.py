@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from smoe.engine import Engine
-from smoe.learning import Popularity
+from smoe.sched.popularity import Popularity
 from smoe.sched.types import Priority, SlotState
 from tests.conftest import tiny_vault
 
@@ -190,7 +190,7 @@ ROOT = str(Path(__file__).resolve().parents[1])
 CONCURRENT = """
 import sys
 import numpy as np
-from smoe.learning import Popularity
+from smoe.sched.popularity import Popularity
 from smoe.vault.format import Vault
 
 pop = Popularity(Vault.open(sys.argv[1]))

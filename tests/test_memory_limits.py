@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import smoe.ring_plan as ring_plan
-from smoe.ring_plan import Device, available_memory, plan_ring
+import smoe.engine.ring_plan as ring_plan
+from smoe.engine.ring_plan import Device, available_memory, plan_ring
 from smoe.vault.convert import convert
 
 GiB = 1 << 30

@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import smoe.ring_plan as plan_module
+import smoe.engine.ring_plan as plan_module
 from smoe.engine import Engine
 from smoe.errors import SmoeError
-from smoe.ring_plan import Device, gpu_room, plan_ring
+from smoe.engine.ring_plan import Device, gpu_room, plan_ring
 from smoe.vault.convert import ConvertOptions, convert
 
 CPU = Device(gpu=False, discrete=False)

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from smoe.models import architecture
+from smoe.models.registry import architecture
 
 # The decoder layer's module that consumes the cache, by the names mlx-lm uses.
 CACHE_CONSUMERS = ("self_attn", "attention", "linear_attn")

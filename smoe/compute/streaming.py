@@ -120,7 +120,7 @@ class TraceObservers:
 
     on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
     recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
-    popularity: Any = None  # a smoe.learning.Popularity counting demand
+    popularity: Any = None  # a smoe.sched.popularity.Popularity counting demand
     # Router hints (smoe.sched.hints): after each streamed MoE call, hint(layer, experts)
     # gets the experts of gate ranks top_k .. hint_depth-1 that no token of it used.
     hint: Callable[[int, list[int]], None] | None = None

@@ -33,8 +33,8 @@ from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
-from smoe.learning import Popularity
-from smoe.ring_plan import RingPlan, current_device, plan_ring
+from smoe.sched.popularity import Popularity
+from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.sched.hints import split_policy_name
 from smoe.sched.policy import PinnedHot
 from smoe.sched.scheduler import ExpertScheduler

@@ -13,7 +13,7 @@ from smoe.sched.policy import POLICIES
 @dataclass
 class EngineOptions:
     memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
-    # else what does (smoe.ring_plan: the GPU's free memory, or half the available memory)
+    # else what does (smoe.engine.ring_plan: the GPU's free memory, or half the available memory)
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
     read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
@@ -28,7 +28,7 @@ class EngineOptions:
     direct_io: bool = True
     max_batch: int = 8  # generations decoded together (1: one at a time)
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
-    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.ring_plan)
+    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.engine.ring_plan)
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from smoe.errors import SmoeError
-from smoe.models import ARCHITECTURES
+from smoe.models.registry import ARCHITECTURES
 from smoe.synth import layout, tokenizer, weights
 from smoe.synth.presets import ARCHS, ENDOFTEXT_ID, IM_END_ID, PRESETS, Preset, resolve
 

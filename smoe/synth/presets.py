@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smoe.errors import SmoeError
-from smoe.models import ARCHITECTURES
+from smoe.models.registry import ARCHITECTURES
 
 # Hugging Face model_type values that `smoe synth` can write: every known architecture.
 ARCHS: tuple[str, ...] = tuple(ARCHITECTURES)

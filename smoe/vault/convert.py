@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 import smoe
-from smoe.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
+from smoe.models.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.errors import SmoeError
 from smoe.util.files import (
     fsync_path,

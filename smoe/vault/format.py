@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from smoe.errors import VaultError
-from smoe.topology import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, Topology
+from smoe.models.topology import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, Topology
 from smoe.util.files import recover_dir, write_json_atomic
 from smoe.vault.integrity import DEFAULT_ALGORITHM, HASHES, digest
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import CheckpointError, UnsupportedModelError
-from smoe.models import architecture
+from smoe.models.registry import architecture
 
 # Each group lists spellings of one quantity; the first that is present fills the others.
 _ALIASES: tuple[tuple[str, ...], ...] = (

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import CheckpointError, SmoeError, UnsupportedModelError
-from smoe.models import architecture
-from smoe.topology import (
+from smoe.models.registry import architecture
+from smoe.models.topology import (
     ExpertModule,
     Topology,
     describe,
