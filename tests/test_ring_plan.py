@@ -7,8 +7,8 @@ import pytest
 
 import smoe.engine.ring_plan as plan_module
 from smoe.engine import Engine
-from smoe.errors import SmoeError
 from smoe.engine.ring_plan import Device, gpu_room, plan_ring
+from smoe.errors import SmoeError
 from smoe.vault.convert import ConvertOptions, convert
 
 CPU = Device(gpu=False, discrete=False)

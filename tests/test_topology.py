@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from smoe.models.checkpoint import open_checkpoint
 from smoe.errors import CheckpointError, UnsupportedModelError
+from smoe.models.checkpoint import open_checkpoint
 from smoe.models.topology import moe_model_types, normalize_config
 from tests.conftest import HF_ARCHS
 

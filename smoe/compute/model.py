@@ -91,8 +91,8 @@ _SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 def vault_float_dtype(vault: Vault) -> str | None:
     """The dtype of the vault's float tensors (what mlx-lm computes in when it runs these
     weights as they are): the records' float components, else the backbone's; None if mixed."""
-    from smoe.models.checkpoint import safetensors_header
     from smoe.io.ring import is_float
+    from smoe.models.checkpoint import safetensors_header
 
     found = {c.dtype for c in vault.manifest.record.components if is_float(c.dtype)}
     if not found:

@@ -28,15 +28,15 @@ from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, End, Failed, Meter, Ticket
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.options import EngineOptions
+from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
-from smoe.sched.popularity import Popularity
-from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.sched.hints import split_policy_name
 from smoe.sched.policy import PinnedHot
+from smoe.sched.popularity import Popularity
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 

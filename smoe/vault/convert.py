@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 import smoe
-from smoe.models.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.errors import SmoeError
+from smoe.models.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.util.files import (
     fsync_path,
     recover_dir,
