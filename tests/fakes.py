@@ -113,3 +113,20 @@ class QueuedBackend(ControlledBackend):
     def waiting(self) -> list[int]:
         """Records handed over but not started, in the order they will start."""
         return [r for q in self.queued for r, _ in q]
+
+
+class FailingReads:
+    """Wraps a read backend (``ExpertScheduler.wrap_backend``): while ``failing`` is set,
+    every read raises ``error`` (a disk going away), and ``failed`` counts them."""
+
+    def __init__(self, inner, error: BaseException | None = None) -> None:
+        self.inner = inner
+        self.error = error or OSError("disk gone")
+        self.failing = False
+        self.failed = 0
+
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
+        if self.failing:
+            self.failed += 1
+            raise self.error
+        return await self.inner.read(record, slot, priority)

@@ -19,8 +19,10 @@ import pytest
 from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
+from smoe.errors import ExpertReadError
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
+from tests.fakes import FailingReads
 from tests.test_engine_exact import ARCHS, reference_decode, reference_model
 
 pytestmark = pytest.mark.asyncio
@@ -180,17 +182,17 @@ async def test_a_failed_batched_pass_resets_its_sequences(vaults):
     """A pass that fails half-way leaves layers out of step; the sequences start over
     (their next use prefills again) instead of decoding from a corrupt cache."""
     vault = vaults("qwen3_moe")
-    async with Engine.open(vault.path) as engine:
+    # The smallest ring: a pass's first MoE layer always misses, so its read fails after
+    # attention ran (the backbone layers are out of step with the MoE ones).
+    async with Engine.open(vault.path, slots=4) as engine:
         r = engine.runner
+        disk = engine.scheduler.wrap_backend(FailingReads)
         seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts(2)]
-
-        def broken(layer, experts):
-            raise OSError("disk gone")
-
-        engine.slots.reserve = broken  # the first MoE layer fails after attention ran
-        with pytest.raises(OSError):
+        disk.failing = True
+        with pytest.raises(ExpertReadError, match="disk gone"):
             await engine.compute.run(r.step_batch, seqs)
-        del engine.slots.reserve
+        assert disk.failed > 0
+        disk.failing = False
         assert all(s.cached == 0 and s.to_prefill() == len(s.tokens) - 1 for s in seqs)
         alone = await solo_decode(engine, prompts(1)[0], 1)
         for seq in seqs:

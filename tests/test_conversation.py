@@ -207,3 +207,32 @@ async def test_a_follow_up_continues_from_the_generated_ids_not_the_reply_text(v
         loaded.template = no_templating  # a loaded chat continues from the same ids
         assert np.array_equal(await loaded.next_logits("More."), expected)
         assert conv.tokens[: len(stream) + len(new_turn)] == [*stream, *new_turn]
+
+
+async def test_a_cancelled_chat_is_not_taken_for_ctrl_c(tmp_path):
+    """Ctrl-C stops only the reply (its own cancel scope); cancelling the chat itself
+    propagates out of ``reply``, and the SIGINT handler is gone afterwards."""
+    from prompt_toolkit.application import create_app_session
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from smoe.chat.repl import ChatApp
+
+    streaming = asyncio.Event()
+
+    class StallingConversation:
+        async def send(self, text, **kw):
+            streaming.set()
+            await asyncio.Event().wait()  # a reply that never ends
+            yield  # pragma: no cover
+
+    out = io.StringIO()
+    with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
+        app = ChatApp(None, StallingConversation(), out=out)
+        task = asyncio.get_running_loop().create_task(app.reply("hello"))
+        await streaming.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert "[reply cancelled]" not in out.getvalue()
+    assert not asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)  # none left

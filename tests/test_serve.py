@@ -12,6 +12,7 @@ from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions
 from tests.conftest import tiny_vault
+from tests.fakes import FailingReads
 from tests.serving import Running
 
 openai = pytest.importorskip("openai")
@@ -181,7 +182,7 @@ async def test_concurrent_requests_are_batched_and_equal_solo(vault):
         assert batch["mean_rows_per_step"] > 2 and batch["active"] == 0
 
 
-async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch, caplog):
+async def test_a_failing_generation_is_reported_not_dropped(vault, caplog):
     """An I/O error during generation (the disk failing): JSON requests get a 503 in
     OpenAI's format, streams an error event; the client is told a request id, not the
     error, which goes to the server log in one line; the server keeps serving."""
@@ -190,12 +191,8 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch, 
         Running(engine, ServerOptions()) as srv,
         aiohttp.ClientSession() as http,
     ):
-        real = engine.slots.reserve
-
-        def broken(layer, experts):
-            raise OSError("disk gone")
-
-        monkeypatch.setattr(engine.slots, "reserve", broken)
+        disk = engine.scheduler.wrap_backend(FailingReads)
+        disk.failing = True
         body = {"prompt": [5, 6, 7], "max_tokens": 3}
         async with http.post(srv.base + "/v1/completions", json=body) as r:
             assert r.status == 503
@@ -209,7 +206,7 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, monkeypatch, 
         logged = [rec for rec in caplog.records if rec.name == "smoe.serve"]
         assert len(logged) == 2 and all("disk gone" in rec.getMessage() for rec in logged)
         assert not any(rec.exc_info for rec in logged)  # one line each, no traceback
-        monkeypatch.setattr(engine.slots, "reserve", real)
+        disk.failing = False
         ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
         assert ok.choices
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import anyio
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
@@ -111,24 +112,22 @@ class ChatApp:
 
     async def reply(self, text: str) -> None:
         """Stream a reply; Ctrl-C (SIGINT) cancels it and the chat goes on."""
-        task = asyncio.get_running_loop().create_task(self._stream(text))
         loop = asyncio.get_running_loop()
-        try:
-            loop.add_signal_handler(signal.SIGINT, task.cancel)
-            handler = True
-        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
-            handler = False
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                raise  # we ourselves are being cancelled
+        with anyio.CancelScope() as scope:
+            try:
+                loop.add_signal_handler(signal.SIGINT, scope.cancel)
+                handler = True
+            except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
+                handler = False
+            try:
+                await self._stream(text)
+            except SmoeError as e:
+                self.say(f"error: {e}")
+            finally:
+                if handler:
+                    loop.remove_signal_handler(signal.SIGINT)
+        if scope.cancelled_caught:
             self.say("\n[reply cancelled]")
-        except SmoeError as e:
-            self.say(f"error: {e}")
-        finally:
-            if handler:
-                loop.remove_signal_handler(signal.SIGINT)
 
     async def _stream(self, text: str) -> None:
         async for event in self.conv.send(text, **self.sampling):

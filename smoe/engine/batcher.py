@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import enum
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import anyio
 
 from smoe.errors import SmoeError
 
@@ -177,6 +178,7 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._stop = anyio.CancelScope()  # close() cancels the loop through it
         self._closed = False
 
     # ------------------------------------------------------------------ interface
@@ -188,6 +190,7 @@ class Batcher:
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
+            self._stop = anyio.CancelScope()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="smoe-batcher")
         return ticket
 
@@ -204,9 +207,8 @@ class Batcher:
         """Stop the loop after the job in progress; every unfinished ticket gets an error."""
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stop.cancel()  # the loop leaves its scope at its next await and returns
+            await self._task
         for t in [*self.active, *self.waiting]:
             t._finish(Failed(SmoeError("the engine closed during the request")))
         self.active.clear()
@@ -215,6 +217,10 @@ class Batcher:
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
+        with self._stop:
+            await self._serve()
+
+    async def _serve(self) -> None:
         while True:
             if not self.waiting and not self.active:
                 self._idle.set()
