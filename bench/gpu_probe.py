@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from smoe.io.direct import open_direct
+from smoe.io.direct_file import open_direct
 from smoe.io.staged import StagedRing
-from smoe.vault.format import RecordLayout
+from smoe.vault.layout import RecordLayout
 
 Q235 = RecordLayout.build(
     [

@@ -31,18 +31,10 @@ import mlx.core as mx
 import numpy as np
 
 from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
-from smoe.vault.format import (
-    BACKBONE_FILE,
-    CONFIG_FILE,
-    EXPERTS_FILE,
-    MANIFEST,
-    STATS_DIR,
-    ExpertLayer,
-    Manifest,
-    Vault,
-    file_checksum,
-)
+from smoe.vault.format import Vault, file_checksum
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
+from smoe.vault.manifest import ExpertLayer, Manifest
+from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE, EXPERTS_FILE, MANIFEST, STATS_DIR
 from smoe.vault.tensorfile import write_safetensors
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 from smoe.errors import SmoeError
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx, read_layer
-from smoe.vault.format import COMPONENT_ALIGN, RECORD_ALIGN, Vault
+from smoe.vault.format import Vault
+from smoe.vault.layout import COMPONENT_ALIGN, RECORD_ALIGN
 from tests.conftest import HF_ARCHS, edit_json
 
 ARCHS = sorted(HF_ARCHS)

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from smoe.vault.convert import convert
-from smoe.vault.format import SIGNATURE, Vault, sign_manifest
+from smoe.vault.format import Vault
 from smoe.vault.inspect import verify
+from smoe.vault.manifest import SIGNATURE, sign_manifest
 
 
 @pytest.fixture

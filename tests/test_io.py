@@ -29,8 +29,10 @@ from smoe.io.ring import slots_for_budget, suggest_size
 from smoe.util.sizes import parse_size
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
-from smoe.vault.format import RECORD_ALIGN, SIGNATURE, RecordLayout, Vault, sign_manifest
+from smoe.vault.format import Vault
 from smoe.vault.integrity import digest
+from smoe.vault.layout import RECORD_ALIGN, RecordLayout
+from smoe.vault.manifest import SIGNATURE, sign_manifest
 
 SAFETY = 30  # seconds: a bug fails a test instead of hanging it; never used to synchronise
 _real_preadv = os.preadv
@@ -621,7 +623,7 @@ async def test_close_waits_for_running_reads_and_drops_queued_ones(q4):
 def test_a_ring_beyond_2_gib_allocates_and_views_its_last_slot():
     """MLX sizes a shape dimension with a 32-bit int: the ring is rows of 16 KiB, and its
     views never flatten it (one flat dimension failed at 2 GiB, any real model's ring)."""
-    from smoe.vault.format import Component
+    from smoe.vault.layout import Component
 
     stride = 1 << 20  # a 1 MiB record: one uint8 [1024, 1024] component
     layout = RecordLayout((Component("w", "uint8", (1024, 1024), 0),), stride, stride)
@@ -678,7 +680,7 @@ async def test_queued_demand_reads_start_before_queued_speculative_ones(q4):
 
 
 def test_records_split_into_aligned_parts():
-    from smoe.io.direct import split_record
+    from smoe.io.direct_file import split_record
 
     assert split_record(RECORD_ALIGN) == [(0, RECORD_ALIGN)]
     big = 648 * RECORD_ALIGN  # a Qwen3-235B 4-bit record: 10.6 MB

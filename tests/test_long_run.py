@@ -7,7 +7,7 @@ import resource
 
 import pytest
 
-import smoe.compute.streaming as streaming
+import smoe.compute.tracing as tracing
 from smoe.engine import Engine
 from tests.conftest import tiny_vault
 
@@ -21,7 +21,7 @@ def rss_bytes() -> int:
 
 
 async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(streaming, "CALLS_KEPT", 1000)  # the real cap (8,192) bounds alike
+    monkeypatch.setattr(tracing, "CALLS_KEPT", 1000)  # the real cap (8,192) bounds alike
     vault = tiny_vault(tmp_path, seed=5)
     layers = len(vault.manifest.layers)
     # A small ring (misses every step), lookahead and gate echo on: every trace is busy.

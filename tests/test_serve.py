@@ -548,7 +548,7 @@ async def test_a_bug_gets_a_500_without_internals_and_one_traceback(vault, monke
 async def test_json_depth_is_linear_and_ignores_brackets_in_strings():
     import time
 
-    from smoe.serve.validate import json_depth
+    from smoe.serve.body import json_depth
 
     assert json_depth(b'{"a": [1, {"b": "[[[[{{"}], "c": "\\"]]"}') == 3
     assert json_depth(b"[" * 70) == 70

@@ -17,7 +17,8 @@ import pytest
 from smoe.io import DirectReader, StagedRing, UnifiedRing
 from smoe.vault.convert import convert
 from smoe.vault.export import read_layer
-from smoe.vault.format import RecordLayout, Vault
+from smoe.vault.format import Vault
+from smoe.vault.layout import RecordLayout
 
 SAFETY = 30  # seconds: a bug fails a test instead of hanging it; never used to synchronise
 

@@ -405,7 +405,7 @@ RAW_CONFIGS = [
 
 def _cases(vault: Path, run_all: bool) -> Iterator[tuple[str, str, bytes, bytes | None]]:
     """(class, label, manifest bytes, config bytes or None for the vault's own)."""
-    from smoe.vault.format import sign_manifest
+    from smoe.vault.manifest import sign_manifest
 
     rng = random.Random(SEED)
     text = (vault / "manifest.json").read_text()
@@ -608,7 +608,7 @@ def _copy(vault: Any, tmp_path: Path) -> Path:
 def _edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
     """Edit and sign again (so that validation, not the signature, judges the edit); a
     manifest whose edit drops the signature (an old vault) stays unsigned."""
-    from smoe.vault.format import SIGNATURE, sign_manifest
+    from smoe.vault.manifest import SIGNATURE, sign_manifest
 
     m = json.loads((path / "manifest.json").read_text())
     fn(m)

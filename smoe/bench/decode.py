@@ -55,6 +55,33 @@ def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) 
     return baseline_run(vault.experts_path, m.record.stride, order, workers).gbps
 
 
+def _decode_row(stats: Any, compute_s: float, bandwidth: float, share: float) -> dict[str, Any]:
+    """One ring's decode figures beside the physical limit: max(the I/O bound of its bytes
+    per token at ``bandwidth`` GB/s, ``compute_s`` per token all resident)."""
+    per_token = 1.0 / stats.decode_tok_s
+    io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
+    bound = max(io_s, compute_s)
+    copy = stats.decode_copy_share * per_token
+    wait = max(stats.decode_io_wait_share * per_token - copy, 0.0)  # copies happen in waits
+    return {
+        "ring_share_of_experts": round(share, 3),
+        "decode_tok_s": round(stats.decode_tok_s, 3),
+        "ttft_s": round(stats.ttft_s, 4),
+        "time_per_token_s": round(per_token, 5),
+        "decode_hit_rate": round(stats.decode_hit_rate, 4),
+        "bytes_per_token": int(stats.decode_bytes_per_token),
+        "MB_per_token": round(stats.decode_bytes_per_token / 1e6, 2),
+        "io_bound_s": round(io_s, 5),
+        "compute_bound_s": round(compute_s, 5),
+        "physical_limit_s": round(bound, 5),
+        "ratio_to_limit": round(per_token / bound, 3),
+        "io_wait_s": round(wait, 5),
+        "copy_s": round(copy, 5),
+        "compute_s": round(compute_s, 5),
+        "other_s": round(max(per_token - wait - copy - compute_s, 0.0), 5),
+    }
+
+
 async def bench_decode(
     vault_path: str,
     budgets: list[str],
@@ -81,34 +108,11 @@ async def bench_decode(
         stats, the_ring, direct = await _run(
             vault, slots, prompt, max_tokens, workers, spec=spec, lookahead=lookahead, **options
         )
-        per_token = 1.0 / stats.decode_tok_s
-        io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
-        bound = max(io_s, compute_s)
-        copy = stats.decode_copy_share * per_token
-        wait = max(stats.decode_io_wait_share * per_token - copy, 0.0)  # copies happen in waits
+        row = _decode_row(stats, compute_s, bandwidth, slots / m.num_records)
         rows.append(
-            {
-                "budget": budget,
-                "ring": the_ring.kind,
-                "ring_slots": slots,
-                "ring_share_of_experts": round(slots / m.num_records, 3),
-                "decode_tok_s": round(stats.decode_tok_s, 3),
-                "ttft_s": round(stats.ttft_s, 4),
-                "time_per_token_s": round(per_token, 5),
-                "decode_hit_rate": round(stats.decode_hit_rate, 4),
-                "bytes_per_token": int(stats.decode_bytes_per_token),
-                "MB_per_token": round(stats.decode_bytes_per_token / 1e6, 2),
-                "io_bound_s": round(io_s, 5),
-                "compute_bound_s": round(compute_s, 5),
-                "physical_limit_s": round(bound, 5),
-                "ratio_to_limit": round(per_token / bound, 3),
-                "io_wait_s": round(wait, 5),
-                "copy_s": round(copy, 5),
-                "compute_s": round(compute_s, 5),
-                "other_s": round(max(per_token - wait - copy - compute_s, 0.0), 5),
-                "huge_pages": getattr(the_ring, "huge_pages", None),
-                "direct_io": direct,
-            }
+            {"budget": budget, "ring": the_ring.kind, "ring_slots": slots}
+            | row
+            | {"huge_pages": getattr(the_ring, "huge_pages", None), "direct_io": direct}
         )
     return {
         "benchmark": "decode",

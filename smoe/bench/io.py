@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from smoe.errors import SmoeError
-from smoe.io.direct import DirectReader, open_direct, split_record
+from smoe.io.direct import DirectReader
+from smoe.io.direct_file import open_direct, split_record
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
@@ -286,44 +287,27 @@ def bench_io(
         raise SmoeError(f"unknown path {sorted(unknown)[0]!r}: use unified, staged or both")
     vault = Vault.open(vault_path)
     m = vault.manifest
-    stride = m.record.stride
     n = min(reads or m.num_records, m.num_records)
-    rng = random.Random(seed)
-    rows = []
+    sweep = _Sweep(vault, n, repeats, batch, slots, random.Random(seed), verify, control)
     for path in paths:  # untimed: first-use costs (thread start, kernel compilation) go here
-        sample = rng.sample(range(m.num_records), min(8, n))
+        sample = sweep.rng.sample(range(m.num_records), min(8, n))
         streamer_run(vault, sample, 2, slots, batch, path, verify=verify)
+    rows = []
     for load in busy:
         with BusyCPUs(load):
             for path in paths:
                 for p in parts:
                     for w in workers:
-                        rows.append(
-                            _sweep_row(
-                                vault,
-                                stride,
-                                n,
-                                w,
-                                repeats,
-                                batch,
-                                slots,
-                                path,
-                                rng,
-                                p,
-                                verify,
-                                control,
-                            )
-                        )
-                        rows[-1]["busy_processes"] = load
+                        rows.append(_sweep_row(sweep, w, path, p) | {"busy_processes": load})
     fd, direct = open_direct(vault.experts_path)
     os.close(fd)
     return {
         "benchmark": "io",
         "vault": str(vault.path),
         "record_bytes": m.record.size,
-        "read_bytes": stride,
+        "read_bytes": m.record.stride,
         "records_per_run": n,
-        "bytes_per_run": n * stride,
+        "bytes_per_run": n * m.record.stride,
         "repeats": repeats,
         "batch": batch,
         "ring_slots": slots,
@@ -338,28 +322,31 @@ def bench_io(
     }
 
 
-def _sweep_row(
-    vault: Vault,
-    stride: int,
-    n: int,
-    w: int,
-    repeats: int,
-    batch: int,
-    slots: int,
-    path: str,
-    rng: random.Random,
-    parts: int | None = None,
-    verify: bool = True,
-    control: bool = False,
-) -> dict[str, Any]:
-    m = vault.manifest
+@dataclass
+class _Sweep:
+    """What every row of one ``bench_io`` sweep shares."""
+
+    vault: Vault
+    records: int  # read per run
+    repeats: int
+    batch: int
+    slots: int
+    rng: random.Random
+    verify: bool
+    control: bool
+
+
+def _timed_runs(sweep: _Sweep, w: int, path: str, parts: int | None) -> dict[str, list[RunResult]]:
+    """``repeats`` runs of each kind at ``w`` workers, each over a fresh random order."""
+    vault, slots = sweep.vault, sweep.slots
+    stride = vault.manifest.record.stride
     runs: dict[str, list[RunResult]] = {"baseline": [], "streamer": [], "control": []}
-    for rep in range(repeats):
-        order = rng.sample(range(m.num_records), n)  # random, each record once
+    for rep in range(sweep.repeats):
+        order = sweep.rng.sample(range(vault.manifest.num_records), sweep.records)
         # ABBA order: a disk that speeds up or slows down over time hits both alike. The
         # control (a second baseline) mirrors the baseline around the streamer.
         kinds = ["baseline", "streamer"] if rep % 2 == 0 else ["streamer", "baseline"]
-        if control:
+        if sweep.control:
             kinds = ["baseline", "streamer", "control"]
             kinds = kinds if rep % 2 == 0 else kinds[::-1]
         for kind in kinds:
@@ -369,8 +356,15 @@ def _sweep_row(
                 # reused buffer per thread reads ~30% faster at 1 worker (bench/io_landing.py).
                 result = baseline_run(vault.experts_path, stride, order, w, max(1, slots // w))
             else:
-                result = streamer_run(vault, order, w, slots, batch, path, parts, verify)
+                result = streamer_run(
+                    vault, order, w, slots, sweep.batch, path, parts, sweep.verify
+                )
             runs[kind].append(result)
+    return runs
+
+
+def _sweep_row(sweep: _Sweep, w: int, path: str, parts: int | None) -> dict[str, Any]:
+    runs = _timed_runs(sweep, w, path, parts)
 
     def rate(kind: str) -> float:
         return sum(r.bytes for r in runs[kind]) / sum(r.seconds for r in runs[kind]) / 1e9
@@ -379,9 +373,9 @@ def _sweep_row(
     row = {
         "path": path,
         "workers": w,
-        "read_parts": len(split_record(stride, parts)),
-        "baseline_buffers_per_thread": max(1, slots // w),
-        "verify": verify,
+        "read_parts": len(split_record(sweep.vault.manifest.record.stride, parts)),
+        "baseline_buffers_per_thread": max(1, sweep.slots // w),
+        "verify": sweep.verify,
         "baseline_GBps": round(b, 3),
         "streamer_GBps": round(s, 3),
         "ratio": round(s / b, 3),
@@ -392,7 +386,7 @@ def _sweep_row(
             for sr, br in zip(runs["streamer"], runs["baseline"], strict=True)
         ],
     }
-    if control:
+    if sweep.control:
         row["control_GBps"] = round(rate("control"), 3)
         row["control_ratio"] = round(rate("control") / b, 3)
         row["control_ratio_runs"] = [

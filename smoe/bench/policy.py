@@ -218,29 +218,10 @@ def bench_policy(
             "fraction": fraction,
             "slots": slots,
             "belady": best.to_dict() | {"seconds": round(time.perf_counter() - t0, 3)},
-            "policies": {},
         }
-        for name in policies:
-            opts = dict((options or {}).get(name, {}))
-            t0 = time.perf_counter()
-            if name == "hot" and "hot" not in opts:
-                policy = PinnedHot.from_counts(counts, int(hot_share * slots))
-                got = replay(stream, slots, policy, record_bytes=record_bytes)
-            else:
-                got = replay(stream, slots, name, record_bytes=record_bytes, **opts)
-            row["policies"][name] = _scored(got, best, t0)
-        hintable = [n for n in policies if n != "hot" and takes_hints(POLICIES[n]())]
-        for name in hintable if stream.hints is not None else []:
-            t0 = time.perf_counter()
-            got = replay(
-                stream,
-                slots,
-                name,
-                record_bytes=record_bytes,
-                hints=True,
-                **(options or {}).get(name, {}),
-            )
-            row["policies"][got.policy] = _scored(got, best, t0)
+        row["policies"] = _policy_rows(
+            stream, slots, best, policies, options or {}, counts, hot_share, record_bytes
+        )
         if spec:
             row["foresight"] = _foresight(
                 stream, spec, slots, best, foresight_policies, record_bytes, options or {}
@@ -254,6 +235,38 @@ def bench_policy(
                 row["belady_horizon"][str(h)] = _scored(got, best, t0)
         rings.append(row)
     return {"trace": info, "rings": rings}
+
+
+def _policy_rows(
+    stream: KeyStream,
+    slots: int,
+    best: ReplayResult,
+    policies: Sequence[str],
+    options: dict[str, dict[str, Any]],
+    counts: Any,
+    hot_share: float,
+    record_bytes: int,
+) -> dict[str, Any]:
+    """Each policy replayed at ``slots`` (and, where the stream has hints, each policy
+    that takes them, as "<policy>+hint"), scored against Belady's ``best``."""
+    rows: dict[str, Any] = {}
+    for name in policies:
+        opts = dict(options.get(name, {}))
+        t0 = time.perf_counter()
+        if name == "hot" and "hot" not in opts:
+            policy = PinnedHot.from_counts(counts, int(hot_share * slots))
+            got = replay(stream, slots, policy, record_bytes=record_bytes)
+        else:
+            got = replay(stream, slots, name, record_bytes=record_bytes, **opts)
+        rows[name] = _scored(got, best, t0)
+    hintable = [n for n in policies if n != "hot" and takes_hints(POLICIES[n]())]
+    for name in hintable if stream.hints is not None else []:
+        t0 = time.perf_counter()
+        got = replay(
+            stream, slots, name, record_bytes=record_bytes, hints=True, **options.get(name, {})
+        )
+        rows[got.policy] = _scored(got, best, t0)
+    return rows
 
 
 def _scored(got: ReplayResult, best: ReplayResult, t0: float) -> dict[str, Any]:
@@ -361,7 +374,8 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.policy") -> int:
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """The options of `smoe bench policy`: one block of declarations, long only by count."""
     ap = argparse.ArgumentParser(
         prog=prog,
         description=__doc__,
@@ -423,7 +437,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.po
     ap.add_argument("--json", help="write the full report here")
     ap.add_argument("--plot", help="write a hit-rate plot (PNG) here")
     ap.add_argument("--locality", action="store_true", help="also print locality figures")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _source(ap: argparse.ArgumentParser, args: argparse.Namespace) -> RoutingArchive:
+    """The archive named, or the synthetic trace of ``--preset`` with its ``--set`` fields."""
     if (args.archive is None) == (args.preset is None):
         ap.error("give an archive or --preset")
     if args.preset:
@@ -436,11 +454,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.po
                 overrides[key] = float(value) if "." in value or "e" in value else int(value)
             except ValueError:
                 ap.error(f"--set {item}: give FIELD=NUMBER, e.g. drift_tokens=64")
-        archive = preset_trace(
+        return preset_trace(
             args.preset, args.tokens, seed=args.seed, layers=args.layers, **overrides
         )
-    else:
-        archive = RoutingArchive.load(args.archive)
+    return RoutingArchive.load(args.archive)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.policy") -> int:
+    ap = _parser(prog)
+    args = ap.parse_args(argv)
+    archive = _source(ap, args)
     phase = {"all": None, "prefill": 0, "decode": 1}[args.phase]
     if args.foresight:
         args.lookahead = True

@@ -17,13 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from smoe.compute.streaming import (
-    RouterTap,
-    SlotSource,
-    StreamingExperts,
-    Tracer,
-    ring_modules,
-)
+from smoe.compute.speculation import RouterTap
+from smoe.compute.streaming import SlotSource, StreamingExperts
+from smoe.compute.switch import ring_modules
+from smoe.compute.tracing import Tracer
 from smoe.errors import SmoeError, VaultError
 from smoe.io.ring import ExpertRing
 from smoe.models.topology import model_classes

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +22,12 @@ import anyio
 import numpy as np
 
 from smoe.compute.runner import Runner, SamplingParams, Sequence_
-from smoe.compute.streaming import Tracer
+from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
-from smoe.engine.batcher import Batcher, End, Failed, Meter, Ticket
+from smoe.engine.batcher import Batcher, Meter, Ticket
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.options import EngineOptions
+from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
@@ -455,69 +455,8 @@ class Engine:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         ticket = self.batcher.submit(Ticket(prepare, max_tokens, frozenset(eos)))
-        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
-        if detok is not None:
-            detok.reset()
         stats = GenerationStats(
             prompt_tokens=prompt_len, compute_dtype=str(self.dtype).split(".")[-1]
         )
-        t_first: float | None = None
-        finish = "length"
-        try:
-            while True:
-                event = await ticket.events.get()
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, End):
-                    finish = event.reason
-                    break
-                value = event.id
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                stats.generated_tokens += 1
-                if value in eos:
-                    continue  # the end follows
-                text = ""
-                if detok is not None:
-                    detok.add_token(value)
-                    text = detok.last_segment
-                yield Event(token=value, text=text)
-        finally:
-            ticket.cancel()
-        if detok is not None:
-            detok.finalize()
-            if detok.last_segment:
-                yield Event(text=detok.last_segment)
-        yield Event(finish_reason=finish, stats=self._request_stats(ticket, stats, t_first))
-
-    @staticmethod
-    def _request_stats(
-        ticket: Ticket, stats: GenerationStats, t_first: float | None
-    ) -> GenerationStats:
-        """What one request took. Its I/O counts its own prefill chunks, and of each decode
-        step it shared with others its share of the bytes (hit rates: the step's)."""
-        end = time.perf_counter()
-        pre, dec = ticket.prefill, ticket.decode
-        stats.prefilled_tokens = ticket.prompt_run
-        stats.prefill_unique_experts = pre.experts
-        stats.prefill_bytes = pre.bytes_read
-        if t_first is not None:
-            stats.ttft_s = t_first - ticket.submitted
-            stats.prefill_tok_s = max(stats.prefilled_tokens, 1) / max(stats.ttft_s, 1e-9)
-        decoded = stats.generated_tokens - 1
-        if t_first is not None and decoded > 0:
-            span = max(end - t_first, 1e-9)
-            stats.decode_tok_s = decoded / span
-            stats.decode_bytes_per_token = dec.bytes_read / decoded
-            stats.decode_io_wait_share = min(1.0, dec.wait_s / span)
-            stats.decode_copy_share = min(1.0, dec.copy_s / span)
-            asked = dec.hits + dec.misses
-            stats.decode_hit_rate = dec.hits / asked if asked else 0.0
-        if ticket.batch_sizes:
-            stats.decode_batch_mean = sum(ticket.batch_sizes) / len(ticket.batch_sizes)
-        stats.bytes_read = pre.bytes_read + dec.bytes_read
-        stats.hits, stats.misses = pre.hits + dec.hits, pre.misses + dec.misses
-        asked = stats.hits + stats.misses
-        stats.hit_rate = stats.hits / asked if asked else 0.0
-        return stats
+        async for event in ticket_events(ticket, self.tokenizer, stats):
+            yield event

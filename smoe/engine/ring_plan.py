@@ -23,7 +23,8 @@ from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.util.sizes import format_bytes
-from smoe.vault.format import RecordLayout, Vault
+from smoe.vault.format import Vault
+from smoe.vault.layout import RecordLayout
 
 KINDS = ("auto", "unified", "staged")
 

@@ -1,6 +1,7 @@
 """I/O side of the engine: the rings (unified and staged) and the direct-I/O read backend."""
 
-from smoe.io.direct import BufferedIOWarning, DirectReader, VaultReadError, open_direct
+from smoe.io.direct import DirectReader, VaultReadError
+from smoe.io.direct_file import BufferedIOWarning, open_direct
 from smoe.io.ring import ExpertRing, mx_dtype, needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing

@@ -4,6 +4,8 @@ One read = one record = one slot: ``os.preadv(fd, [ring.landing(slot)], record *
 The destination (the slot itself, or a host landing buffer of a staged ring) and the file
 offset are 16 KiB-aligned and the length is the stride (a 16 KiB multiple), so O_DIRECT's
 alignment rules hold and the page cache is bypassed: measured throughput is the SSD's.
+Opening the file that way and splitting a record into parts is ``smoe.io.direct_file``;
+the queue the workers take reads from is ``smoe.io.read_queue``.
 
 Trust: a read completes only once its record's checksum (the manifest's, over the record's
 ``size`` bytes) matches, checked on a verifier thread while the worker reads on, and
@@ -15,29 +17,27 @@ read again once; EINTR and EAGAIN are retried; every other failure is a VaultRea
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import errno
 import logging
 import os
 import threading
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-
 from smoe.errors import RecordChecksumError, VaultError
 from smoe.errors import VaultReadError as VaultReadError  # re-exported: smoe.io's API
+from smoe.io.direct_file import (
+    FIX,
+    READ_ATTEMPTS,
+    TRANSIENT_ERRNOS,
+    describe_os_error,
+    open_vault_file,
+    split_record,
+)
+from smoe.io.read_queue import ReadJob, ReadQueue
 from smoe.io.ring import ExpertRing, Landing
-from smoe.vault.format import RECORD_ALIGN, Vault
+from smoe.vault.format import Vault
 from smoe.vault.integrity import hasher
 
 if TYPE_CHECKING:
@@ -45,188 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-class BufferedIOWarning(RuntimeWarning):
-    """The vault is read through the page cache: direct I/O was refused or unavailable."""
-
-
-def _warn_buffered(path: Path, why: str) -> None:
-    warnings.warn(
-        f"{path}: {why}; reading it through the page cache instead (buffered I/O): expert "
-        "reads may be served from RAM and cost extra memory, so speed and memory figures "
-        "are not representative of the SSD",
-        BufferedIOWarning,
-        stacklevel=3,
-    )
-
-
-def _probe_direct(fd: int) -> None:
-    """Read the first 16 KiB through ``fd``; raises OSError (EINVAL) if O_DIRECT is refused."""
-    raw = np.empty(2 * RECORD_ALIGN, dtype=np.uint8)
-    start = (-int(raw.ctypes.data)) % RECORD_ALIGN  # O_DIRECT needs an aligned buffer
-    for attempt in range(1, READ_ATTEMPTS + 1):
-        try:
-            os.preadv(fd, [raw[start : start + RECORD_ALIGN].data], 0)
-            return
-        except OSError as e:
-            if e.errno not in TRANSIENT_ERRNOS or attempt == READ_ATTEMPTS:
-                raise
-
-
-TRANSIENT_ERRNOS = frozenset({errno.EINTR, errno.EAGAIN, errno.EWOULDBLOCK})
-# Tries of one read request that fail with a transient error before the read fails. No
-# sleep between them: EINTR means a signal, not a busy device. Short reads do not count:
-# they made progress, and the read continues where it stopped.
-READ_ATTEMPTS = 3
 # O_DIRECT continues a short read from a whole block: its offsets and lengths must be
 # multiples of the device's logical block (512 B or 4 KiB).
 _DIRECT_BLOCK = 4096
-FIX = "check the disk (dmesg); 'smoe inspect {vault} --verify' finds corrupt records; convert again"
-
-
-def describe_os_error(e: OSError) -> str:
-    """'Input/output error (EIO)': the OS's words and the errno's name."""
-    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else None
-    text = e.strerror or str(e) or type(e).__name__
-    return f"{text} ({name})" if name else text
-
-
-def open_direct(path: Path | str, direct: bool = True) -> tuple[int, bool]:
-    """Open ``path`` read-only for uncached reads; return (fd, whether reads bypass the cache).
-
-    Linux: O_DIRECT, checked with one aligned 16 KiB read, since some filesystems accept the
-    flag at open and refuse the reads (EINVAL). macOS: F_NOCACHE. Where neither works, or with
-    ``direct=False`` (no warning then), the file is opened buffered; a BufferedIOWarning
-    names the file and the consequence. Raises OSError (FileNotFoundError, ...) when the
-    file cannot be opened at all, and VaultReadError (naming the file and the errno) when
-    the probe read fails otherwise than by refusing O_DIRECT (EIO: a failing disk). The
-    caller closes the fd.
-    """
-    path = Path(path)
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    if not direct:
-        return os.open(path, flags), False
-    o_direct = getattr(os, "O_DIRECT", 0)
-    if o_direct:
-        try:
-            fd = os.open(path, flags | o_direct)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            _warn_buffered(path, "the filesystem refuses O_DIRECT at open (EINVAL)")
-            return os.open(path, flags), False
-        try:
-            _probe_direct(fd)
-        except OSError as e:
-            os.close(fd)
-            if e.errno != errno.EINVAL:
-                raise VaultReadError(
-                    f"{path}: reading its first {RECORD_ALIGN // 1024} KiB failed: "
-                    f"{describe_os_error(e)}; " + FIX.format(vault=path.parent),
-                    path=path,
-                    errno=e.errno,
-                ) from e
-            _warn_buffered(path, "the filesystem refuses O_DIRECT reads (EINVAL)")
-            return os.open(path, flags), False
-        return fd, True
-    fd = os.open(path, flags)
-    f_nocache = getattr(fcntl, "F_NOCACHE", None) if fcntl is not None else None
-    if f_nocache is not None:
-        try:
-            fcntl.fcntl(fd, f_nocache, 1)
-            return fd, True
-        except OSError as e:
-            _warn_buffered(path, f"F_NOCACHE failed ({e.strerror})")
-            return fd, False
-    _warn_buffered(path, "this platform has neither O_DIRECT nor F_NOCACHE")
-    return fd, False
-
-
-@dataclass(eq=False)
-class _Job:
-    record: int
-    slot: int
-    future: concurrent.futures.Future[int]
-    started: bool = False  # a worker took it (a re-read goes back to the queue started)
-    rereads: int = 0  # reads after a checksum mismatch
-
-
-class _ReadQueue:
-    """The reads handed to the workers: two FIFO queues, demand taken before speculation.
-
-    Thread-safe. A worker takes its next read here the moment it finishes one, without a
-    round trip through the event loop (which, measured, cost up to a third of the disk's
-    rate at one worker with busy CPUs).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queues: tuple[collections.deque[_Job], ...] = (
-            collections.deque(),
-            collections.deque(),
-        )
-        self._closed = False
-
-    def put(self, job: _Job, priority: int, *, first: bool = False) -> None:
-        """Queue ``job`` (``first``: ahead of every other read, for a re-read someone
-        is already waiting on). RuntimeError once closed."""
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("DirectReader is closed")
-            queue = self._queues[min(max(priority, 0), 1)]
-            if first:
-                queue.appendleft(job)
-            else:
-                queue.append(job)
-            self._cond.notify()
-
-    def take(self) -> _Job | None:
-        """The next read (blocking), or None once closed."""
-        with self._cond:
-            while not self._closed:
-                for q in self._queues:
-                    if q:
-                        job = q.popleft()
-                        job.started = True  # under the lock: remove() sees it
-                        return job
-                self._cond.wait()
-            return None
-
-    def remove(self, job: _Job) -> bool:
-        """Take ``job`` back if no worker has started it; True if it was still queued."""
-        with self._cond:
-            if job.started:  # a queued re-read: its reader waits for it to end
-                return False
-            for q in self._queues:
-                if job in q:
-                    q.remove(job)
-                    return True
-            return False
-
-    def close(self) -> list[_Job]:
-        """Stop handing out reads; return those still queued."""
-        with self._cond:
-            self._closed = True
-            dropped = [job for q in self._queues for job in q]
-            for q in self._queues:
-                q.clear()
-            self._cond.notify_all()
-            return dropped
-
-
-PART_BYTES = 2 << 20  # a record is read in parts of at least this much, at most MAX_PARTS
-MAX_PARTS = 4
-
-
-def split_record(stride: int, parts: int | None = None) -> list[tuple[int, int]]:
-    """[start, end) byte ranges a record of ``stride`` bytes is read in: ``parts`` of them
-    (default: one per PART_BYTES, at most MAX_PARTS), each a multiple of 16 KiB as
-    O_DIRECT needs."""
-    blocks = stride // RECORD_ALIGN
-    n = parts if parts is not None else min(MAX_PARTS, max(1, stride // PART_BYTES))
-    n = max(1, min(n, blocks))
-    edges = [blocks * i // n * RECORD_ALIGN for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 class DirectReader:
@@ -265,13 +86,7 @@ class DirectReader:
                 f"the ring's slots are {ring.stride} bytes, the vault's records "
                 f"{manifest.record.stride}: make the ring from this vault's record layout"
             )
-        try:
-            self._hash = hasher(manifest.checksum_algorithm)
-        except KeyError:
-            raise VaultError(
-                f"{vault.path}: checksum algorithm {manifest.checksum_algorithm!r} is unknown "
-                "to this S-MoE; upgrade S-MoE or convert the model again"
-            ) from None
+        self._hash = _checksum_function(vault)
         self.vault_path = vault.path
         self.path = vault.experts_path
         self.manifest = manifest
@@ -282,18 +97,14 @@ class DirectReader:
         self.verify = verify
         self.rereads = 0  # records read again after a checksum mismatch
         self._count_lock = threading.Lock()
-        try:
-            self.fd, self.direct = open_direct(self.path, direct)
-        except VaultReadError:
-            raise
-        except OSError as e:
-            raise VaultReadError(
-                f"{self.path}: cannot open it for reading: {describe_os_error(e)}; check that "
-                "the vault is complete and readable ('smoe inspect'), or convert again",
-                path=self.path,
-                errno=e.errno,
-            ) from e
+        self.fd, self.direct = open_vault_file(self.path, direct)
         self._parts = split_record(self.stride, parts)
+        self._start_threads(workers)
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def _start_threads(self, workers: int) -> None:
+        """The part helpers, the verifiers, the read queue and the ``workers`` workers."""
         self._helpers = concurrent.futures.ThreadPoolExecutor(
             max(1, workers * (len(self._parts) - 1)), thread_name_prefix="smoe-io-part"
         )
@@ -304,15 +115,13 @@ class DirectReader:
         )
         # Our own threads rather than a ThreadPoolExecutor: a worker takes its next read
         # itself (priority order), a queued read can be taken back, close() can join them.
-        self._queue = _ReadQueue()
+        self._queue = ReadQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"smoe-io-{i}", daemon=True)
             for i in range(workers)
         ]
         for t in self._threads:
             t.start()
-        self._closed = False
-        self._close_lock = threading.Lock()
 
     async def read(self, record: int, slot: int, priority: int = 0) -> int:
         """Read record ``record`` into ring slot ``slot``; return the bytes read (the stride)
@@ -336,7 +145,7 @@ class DirectReader:
             raise IndexError(f"record {record} out of range 0..{self.manifest.num_records - 1}")
         if not 0 <= slot < self.ring.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.ring.num_slots - 1}")
-        job = _Job(record, slot, concurrent.futures.Future())
+        job = ReadJob(record, slot, concurrent.futures.Future())
         self._queue.put(job, priority)
         done = asyncio.wrap_future(job.future)
         try:
@@ -403,7 +212,7 @@ class DirectReader:
             land.discard()
             raise
 
-    def _check(self, job: _Job, land: Landing, data: memoryview) -> None:
+    def _check(self, job: ReadJob, land: Landing, data: memoryview) -> None:
         """Verifier thread: hand the landing over if its bytes match the record's checksum;
         else discard them and read the record again once, then fail. Never blocks (a
         re-read goes back to the workers' queue, first), so verification cannot deadlock
@@ -527,6 +336,18 @@ class DirectReader:
     def __repr__(self) -> str:
         mode = "direct" if self.direct else "buffered"
         return f"DirectReader({self.path}, {self.workers} workers, {mode})"
+
+
+def _checksum_function(vault: Vault) -> Callable[[Any], int]:
+    """The hash of the vault's checksum algorithm; VaultError if it is unknown."""
+    manifest = vault.manifest
+    try:
+        return hasher(manifest.checksum_algorithm)
+    except KeyError:
+        raise VaultError(
+            f"{vault.path}: checksum algorithm {manifest.checksum_algorithm!r} is unknown "
+            "to this S-MoE; upgrade S-MoE or convert the model again"
+        ) from None
 
 
 async def _wait_ignoring_cancel(fut: asyncio.Future[Any]) -> None:

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from smoe.errors import SmoeError
 from smoe.util.sizes import format_bytes, parse_size
-from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
+from smoe.vault.layout import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
 T = TypeVar("T")
 

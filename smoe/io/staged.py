@@ -54,7 +54,8 @@ from smoe.io.ring import (
     mx_dtype,
 )
 from smoe.util.sizes import format_bytes
-from smoe.vault.format import RECORD_ALIGN, Component, Manifest, RecordLayout
+from smoe.vault.layout import RECORD_ALIGN, Component, RecordLayout
+from smoe.vault.manifest import Manifest
 
 T = TypeVar("T")
 
@@ -165,32 +166,9 @@ class StagedRing:
         self.dtype = dtype
         self._targets = [(c, target_dtype(c, dtype)) for c in layout.components]
         self.bank_slots = self._bank_slots(max_bank_bytes, bank_align)
-        sizes = [self.bank_slots] * (num_slots // self.bank_slots)
-        if num_slots % self.bank_slots:
-            sizes.append(num_slots % self.bank_slots)
-        # [S_b, *shape] per component: zero-filled, so the memory is committed up front. A
-        # bank has at least 2 rows: MLX's slice_update returns the update itself when it
-        # covers the whole array, which would make the bank alias a landing buffer.
-        self._banks: list[dict[str, Any]] = [
-            {c.name: mx.zeros((max(n, 2), *c.shape), t) for c, t in self._targets} for n in sizes
-        ]
-        mx.eval([list(b.values()) for b in self._banks])
+        self._banks = self._make_banks()
         self.nbytes = num_slots * self.slot_bytes(layout, dtype)
-
-        # Landing buffers: host memory (the CPU stream's allocations; on CUDA, managed memory,
-        # advised to stay on the host and be mapped for the GPU: smoe.io.cuda_host).
-        self._landings: list[_Landing] = []
-        self.landings_on_host = gpu_landings
-        for _ in range(landings):
-            a = mx.zeros((self.stride // RECORD_ALIGN + 1, RECORD_ALIGN), mx.uint8, stream=mx.cpu)
-            mx.eval(a)
-            flat = np.asarray(a).reshape(-1)  # writable view of the MLX host buffer
-            start = (-int(flat.ctypes.data)) % RECORD_ALIGN
-            if gpu_landings:
-                self.landings_on_host &= keep_on_host(int(flat.ctypes.data), flat.nbytes)
-            else:  # O_DIRECT lands here: huge pages make it ~2.5x faster
-                advise_huge_pages(int(flat.ctypes.data), flat.nbytes)
-            self._landings.append(_Landing(a, flat[start : start + self.stride].data, start))
+        self._landings, self.landings_on_host = self._make_landings(landings, gpu_landings)
         self.host_bytes = landings * (self.stride + RECORD_ALIGN)
         # Reads go through a per-thread bounce buffer only where landings could not be kept
         # on the host for a GPU (or when SMOE_STAGING says so).
@@ -229,6 +207,38 @@ class StagedRing:
         if fit >= align > 1:
             fit -= fit % align
         return min(self.num_slots, fit)
+
+    def _make_banks(self) -> list[dict[str, Any]]:
+        """The slots: per bank, one zero-filled [S_b, *shape] array per component (zeros,
+        so the memory is committed up front), evaluated."""
+        sizes = [self.bank_slots] * (self.num_slots // self.bank_slots)
+        if self.num_slots % self.bank_slots:
+            sizes.append(self.num_slots % self.bank_slots)
+        # A bank has at least 2 rows: MLX's slice_update returns the update itself when it
+        # covers the whole array, which would make the bank alias a landing buffer.
+        banks: list[dict[str, Any]] = [
+            {c.name: mx.zeros((max(n, 2), *c.shape), t) for c, t in self._targets} for n in sizes
+        ]
+        mx.eval([list(b.values()) for b in banks])
+        return banks
+
+    def _make_landings(self, count: int, gpu_landings: bool) -> tuple[list[_Landing], bool]:
+        """``count`` landing buffers in host memory (the CPU stream's allocations; on CUDA,
+        managed memory, with ``gpu_landings`` advised to stay on the host and be mapped for
+        the GPU: smoe.io.cuda_host), and whether every one of those stayed on the host."""
+        lands: list[_Landing] = []
+        on_host = gpu_landings
+        for _ in range(count):
+            a = mx.zeros((self.stride // RECORD_ALIGN + 1, RECORD_ALIGN), mx.uint8, stream=mx.cpu)
+            mx.eval(a)
+            flat = np.asarray(a).reshape(-1)  # writable view of the MLX host buffer
+            start = (-int(flat.ctypes.data)) % RECORD_ALIGN
+            if gpu_landings:
+                on_host &= keep_on_host(int(flat.ctypes.data), flat.nbytes)
+            else:  # O_DIRECT lands here: huge pages make it ~2.5x faster
+                advise_huge_pages(int(flat.ctypes.data), flat.nbytes)
+            lands.append(_Landing(a, flat[start : start + self.stride].data, start))
+        return lands, on_host
 
     @classmethod
     def for_vault(

@@ -34,7 +34,7 @@ import numpy as np
 from smoe.io.hugepages import advise_huge_pages
 from smoe.io.ring import check_ring_args, landing_block, mx_dtype
 from smoe.util.sizes import format_bytes
-from smoe.vault.format import ITEMSIZE, RECORD_ALIGN, RecordLayout
+from smoe.vault.layout import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
 T = TypeVar("T")
 

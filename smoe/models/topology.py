@@ -30,8 +30,8 @@ _ALIASES: tuple[tuple[str, ...], ...] = (
 )
 
 # Keys whose value, for the configs we know, tells the expert count / top-k in the end.
-_EXPERT_COUNT_KEYS = _ALIASES[0]
-_TOP_K_KEYS = _ALIASES[1]
+EXPERT_COUNT_KEYS = _ALIASES[0]
+TOP_K_KEYS = _ALIASES[1]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -245,11 +245,11 @@ def describe(config: dict[str, Any], model: Any, modules: list[ExpertModule]) ->
         first = first[int(part)] if part.isdigit() else getattr(first, part)
     proj = first.gate_proj if modules[0].kind == "SwitchGLU" else first.fc1
     num_experts, expert_hidden = proj.weight.shape[0], proj.weight.shape[1]
-    top_k = _first(config, _TOP_K_KEYS)
+    top_k = _first(config, TOP_K_KEYS)
     if top_k is None:
         raise CheckpointError(
             "config.json does not say how many experts each token uses "
-            f"(one of {', '.join(_TOP_K_KEYS)}); add it"
+            f"(one of {', '.join(TOP_K_KEYS)}); add it"
         )
     shared = _first(config, ("n_shared_experts", "num_shared_experts")) or 0
     if not shared and any(k in config and config[k] for k in ("shared_expert_intermediate_size",)):

@@ -44,7 +44,7 @@ def runner_ups(ranking: np.ndarray, top_k: int, depth: int) -> list[int]:
 
     ``ranking``: int [T, >= depth] (or [T, L, R] sliced to one layer by the caller): each
     token's expert ids, the used ones first, then the rest by descending gate score, as
-    ``smoe.compute.streaming.gate_ranking`` and routing archives store them."""
+    ``smoe.compute.speculation.gate_ranking`` and routing archives store them."""
     rows = np.asarray(ranking).reshape(-1, np.asarray(ranking).shape[-1])
     if depth <= top_k or rows.size == 0:
         return []

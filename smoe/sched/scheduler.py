@@ -1,7 +1,10 @@
 """The expert scheduler: which record lives in which ring slot, and when it may be read.
 
 Runs on one asyncio event loop; all state changes happen in plain (non-awaiting) code, so
-no lock is needed. Rules it keeps (tests/test_sched_*.py check each):
+no lock is needed. The slot table (keys, slot states, queued loads, pins) and its
+invariants are ``smoe.sched.slots``; this module makes requests wait for room or for
+their reads and hands reads to the backend. Rules it keeps (tests/test_sched*.py check
+each):
 
 - A pinned slot is never evicted, reassigned, or handed to a read for another record.
 - A LOADING slot is never reassigned until its read has finished, even if cancelled.
@@ -24,28 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from smoe.sched.hints import takes_hints
 from smoe.sched.policy import EvictionPolicy, make_policy
+from smoe.sched.slots import Slot, SlotTable
 from smoe.sched.stats import SchedulerStats
 from smoe.sched.types import Key, Priority, ReadBackend, ReadError, RingTooSmall, SlotState
-
-
-@dataclass(eq=False)
-class Slot:
-    index: int
-    key: Key | None = None
-    state: SlotState = SlotState.EMPTY
-    pins: int = 0
-    priority: Priority = Priority.DEMAND  # of the current load
-    started: bool = False  # the read was handed to the backend
-    handed_speculative: bool = False  # handed as a speculative read (the backend queues it so)
-    loaded: asyncio.Future[None] | None = None  # done when the current load ends
-    enqueued_at: float = 0.0
-    speculative: bool = False  # loaded by a bet that no demand has used yet
 
 
 @dataclass(eq=False)
@@ -69,7 +58,7 @@ class Reservation:
 
     def ready(self) -> list[bool]:
         """Which of the slots are READY now (for computing on residents first)."""
-        return [self.scheduler._slots[s].state is SlotState.READY for s in self.slots]
+        return [self.scheduler._table.is_ready(s) for s in self.slots]
 
     async def wait(self) -> list[int]:
         """The slots, once every one is READY. Raises a failed read's ReadError as soon
@@ -127,7 +116,8 @@ def _raise_failure(future: asyncio.Future[None]) -> None:
 
 
 class ExpertScheduler:
-    """Slot table, eviction, two priority queues and per-slot readiness over a backend.
+    """Requests, room and reads over a slot table (eviction, two priority queues and
+    per-slot readiness) and a read backend.
 
     ``record_of(key)`` maps (layer, expert) to a vault record index; ``record_bytes`` is
     what one read moves (for statistics). ``workers`` bounds reads in flight; ``runway``
@@ -156,62 +146,68 @@ class ExpertScheduler:
             raise ValueError("at least one I/O worker is needed")
         if runway < 0:
             raise ValueError("the runway cannot be negative")
-        self._slots = [Slot(i) for i in range(num_slots)]
-        self._where: dict[Key, Slot] = {}
-        self._queues: dict[Priority, deque[Slot]] = {p: deque() for p in Priority}
+        self._table = SlotTable(
+            num_slots,
+            policy=make_policy(policy) if isinstance(policy, str) else policy,
+            stats=SchedulerStats(),
+            clock=clock,
+            home=home,
+        )
         self._backend = backend
         self._record_of = record_of
         self._record_bytes = record_bytes
         self._workers = workers
         self._runway = runway
-        self._home = home
-        self._in_flight = 0
-        self._handed_speculative = 0  # of those in flight, handed as speculative reads
         self._tasks: set[asyncio.Task[None]] = set()
         self._room_waiters: list[asyncio.Future[None]] = []
-        self._holdings: dict[object, Counter[int]] = {}  # owner -> pins per slot
         self._clock = clock
         self._closed = False
-        self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- queries
     @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (the slot table's)."""
+        return self._table.policy
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Hits, misses, reads and latencies so far."""
+        return self._table.stats
+
+    @property
     def num_slots(self) -> int:
-        return len(self._slots)
+        return len(self._table.slots)
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._table.in_flight
 
     def queue_depth(self, priority: Priority) -> int:
-        return len(self._queues[priority])
+        return self._table.queue_depth(priority)
 
     def state_of(self, key: Key) -> SlotState:
-        slot = self._where.get(key)
+        slot = self._table.get(key)
         return slot.state if slot else SlotState.EMPTY
 
     def slot_of(self, key: Key) -> int | None:
-        slot = self._where.get(key)
+        slot = self._table.get(key)
         return slot.index if slot else None
 
     def resident(self, layer: int) -> set[int]:
         """Experts of ``layer`` that are READY in the ring."""
-        return {
-            k[1] for k, s in self._where.items() if k[0] == layer and s.state is SlotState.READY
-        }
+        return self._table.resident(layer)
 
     def holders(self) -> dict[object, int]:
         """Pins held, per owner (an empty dict when nothing is pinned)."""
-        return {owner: sum(c.values()) for owner, c in self._holdings.items()}
+        return self._table.holders()
 
     def fill(self) -> int:
         """Slots holding a record (READY or LOADING)."""
-        return len(self._where)
+        return self._table.fill()
 
     def slot_table(self) -> list[tuple[Key | None, SlotState, int]]:
         """(key, state, pins) of every slot, in slot order: a copy, for checks and tools."""
-        return [(s.key, s.state, s.pins) for s in self._slots]
+        return self._table.snapshot()
 
     def wrap_backend(self, wrap: Callable[[ReadBackend], ReadBackend]) -> ReadBackend:
         """Put ``wrap(backend)`` between the scheduler and its reads (recording them,
@@ -279,10 +275,10 @@ class ExpertScheduler:
             )
         owner = owner if owner is not None else _owner()
         while True:
-            needed, free = self._room_for(keys, priority)
+            needed, free = self._table.room_for(keys, priority)
             if needed <= free:
                 break
-            held = sum(self._holdings.get(owner, Counter()).values())
+            held = self._table.held_by(owner)
             if held:
                 raise RingTooSmall(
                     f"{needed} more slots are needed but only {free} can be freed while this "
@@ -305,13 +301,12 @@ class ExpertScheduler:
         queued = 0
         for expert in dict.fromkeys(int(e) for e in experts):
             key = (layer, expert)
-            if key in self._where:
+            if key in self._table:
                 continue
-            slot = self._free_slot(allow_cancel_speculative=False, exclude=(), key=key)
+            slot = self._table.free_slot(allow_cancel_speculative=False, exclude=(), key=key)
             if slot is None:
                 break
-            self._start_load(slot, key, Priority.SPECULATIVE)
-            slot.speculative = True
+            self._table.start_load(slot, key, Priority.SPECULATIVE, speculative=True)
             queued += 1
         self._pump()
         return queued
@@ -336,7 +331,7 @@ class ExpertScheduler:
         passed = 0
         for expert in dict.fromkeys(int(e) for e in experts):
             key = (layer, expert)
-            if key in self._where:
+            if key in self._table:
                 on_hint(key)
                 passed += 1
         self.stats.hints += passed
@@ -346,27 +341,15 @@ class ExpertScheduler:
         """Pin the slots of ``keys`` for ``owner`` if every one is READY now (their slots,
         in order); else pin nothing and return None. Never waits, never reads."""
         self._check_open()
-        wanted = list(dict.fromkeys(keys))
-        found = [self._where.get(k) for k in wanted]
-        if any(s is None or s.state is not SlotState.READY for s in found):
-            return None
-        slots = [s.index for s in found if s is not None]
-        for s in found:
-            assert s is not None
-            s.pins += 1
-        self._holdings.setdefault(owner, Counter()).update(slots)
-        return slots
+        return self._table.pin_ready(keys, owner)
 
     def cancel_speculative(self, keep: Callable[[Key], bool] | None = None) -> int:
         """Drop queued (not yet started) speculative reads, except those ``keep`` accepts."""
         dropped = 0
-        queue = self._queues[Priority.SPECULATIVE]
-        for slot in list(queue):
+        for slot in self._table.queued_speculative():
             if keep is not None and slot.key is not None and keep(slot.key):
                 continue
-            queue.remove(slot)
-            self._abandon(slot)
-            self.stats.by_priority[Priority.SPECULATIVE].cancelled += 1
+            self._table.drop_queued(slot)
             dropped += 1
         if dropped:
             self._wake_room()
@@ -381,10 +364,7 @@ class ExpertScheduler:
     async def close(self) -> None:
         """Stop taking requests, drop queued reads and wait for reads in flight to end."""
         self._closed = True
-        for queue in self._queues.values():
-            while queue:
-                slot = queue.popleft()
-                self._abandon(slot)
+        self._table.drop_all_queued()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
 
@@ -393,121 +373,10 @@ class ExpertScheduler:
         if self._closed:
             raise RuntimeError("the scheduler is closed")
 
-    def _room_for(self, keys: list[Key], priority: Priority) -> tuple[int, int]:
-        """(new slots the request needs, slots that could be given to it right now)."""
-        wanted = set(keys)
-        needed = sum(1 for k in keys if k not in self._where)
-        free = 0
-        for s in self._slots:
-            if s.pins or (s.key is not None and s.key in wanted):
-                continue
-            if s.state is not SlotState.LOADING:
-                free += 1
-            elif (
-                priority is Priority.DEMAND and not s.started and s.priority is Priority.SPECULATIVE
-            ):
-                free += 1  # a queued bet gives way to demand
-        return needed, free
-
     def _commit(self, keys: list[Key], priority: Priority, owner: object) -> Reservation:
-        slots: list[int] = []
-        futures: list[asyncio.Future[None]] = []
-        wanted = set(keys)
-        for key in keys:
-            slot = self._where.get(key)
-            if slot is not None:
-                self.stats.hits += 1
-                if slot.speculative and priority is Priority.DEMAND:
-                    slot.speculative = False
-                    self.stats.speculative_used += 1
-                if (
-                    slot.state is SlotState.LOADING
-                    and slot.priority is Priority.SPECULATIVE
-                    and priority is Priority.DEMAND
-                ):
-                    self._promote(slot)
-            else:
-                self.stats.misses += 1
-                slot = self._free_slot(
-                    allow_cancel_speculative=priority is Priority.DEMAND, exclude=wanted, key=key
-                )
-                assert slot is not None, "room was checked before commit"
-                self._start_load(slot, key, priority)
-            self.policy.on_access(key)
-            slot.pins += 1
-            slots.append(slot.index)
-            assert slot.loaded is not None
-            futures.append(slot.loaded)
-        self._holdings.setdefault(owner, Counter()).update(slots)
+        slots, futures = self._table.pin_request(keys, priority, owner)
         self._pump()
         return Reservation(self, keys, slots, owner, _futures=futures)
-
-    def _free_slot(
-        self, *, allow_cancel_speculative: bool, exclude: Iterable[Key], key: Key | None = None
-    ) -> Slot | None:
-        """``key``'s home slot if it has one and it is EMPTY, else an EMPTY slot, else the
-        policy's victim among unpinned READY ones, else (demand only) the slot of a queued
-        speculative read, which is dropped."""
-        if key is not None and self._home is not None:
-            home = self._home(key)
-            if home is not None and self._slots[home].state is SlotState.EMPTY:
-                return self._slots[home]
-        excluded = set(exclude)
-        ready: dict[Key, Slot] = {}
-        for s in self._slots:
-            if s.pins:
-                continue
-            if s.state is SlotState.EMPTY:
-                return s
-            if s.state is SlotState.READY and s.key not in excluded:
-                assert s.key is not None
-                ready[s.key] = s
-        if ready:
-            victim = ready[self.policy.victim(ready.keys())]
-            self._evict(victim)
-            return victim
-        if allow_cancel_speculative:
-            queue = self._queues[Priority.SPECULATIVE]
-            for s in reversed(queue):  # the newest bet is the least likely to pay
-                if s.key not in excluded:
-                    queue.remove(s)
-                    self._abandon(s)
-                    self.stats.by_priority[Priority.SPECULATIVE].cancelled += 1
-                    return s
-        return None
-
-    def _evict(self, slot: Slot) -> None:
-        assert slot.pins == 0 and slot.state is SlotState.READY and slot.key is not None
-        del self._where[slot.key]
-        self.policy.on_remove(slot.key)
-        slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
-        self.stats.evictions += 1
-
-    def _abandon(self, slot: Slot) -> None:
-        """Forget a queued (never started) load: the slot becomes EMPTY."""
-        assert not slot.started and slot.state is SlotState.LOADING and slot.key is not None
-        del self._where[slot.key]
-        self.policy.on_remove(slot.key)
-        if slot.loaded is not None and not slot.loaded.done():
-            slot.loaded.cancel()
-        slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
-
-    def _start_load(self, slot: Slot, key: Key, priority: Priority) -> None:
-        assert slot.pins == 0 and slot.state is SlotState.EMPTY and slot.key is None
-        slot.key, slot.state, slot.priority, slot.started = key, SlotState.LOADING, priority, False
-        slot.loaded = asyncio.get_running_loop().create_future()
-        slot.enqueued_at = self._clock()
-        slot.speculative = False
-        self._where[key] = slot
-        self.policy.on_insert(key)
-        self._queues[priority].append(slot)
-
-    def _promote(self, slot: Slot) -> None:
-        self.stats.promotions += 1
-        if not slot.started:
-            self._queues[Priority.SPECULATIVE].remove(slot)
-            self._queues[Priority.DEMAND].append(slot)
-        slot.priority = Priority.DEMAND
 
     def _limits(self) -> tuple[int, int]:
         """(most reads in flight for a demand read to be handed, the same for speculation).
@@ -515,22 +384,18 @@ class ExpertScheduler:
         Up to ``runway`` handed reads may wait in the backend's queue; demand may be handed
         past the speculative ones among them, which the backend runs after it."""
         spec = self._workers + self._runway
-        return spec + min(self._handed_speculative, self._runway), spec
+        return spec + min(self._table.handed_speculative, self._runway), spec
 
     def _pump(self) -> None:
         """Hand queued reads to the backend, demand first, up to the limits in flight."""
         while True:
             demand_limit, spec_limit = self._limits()
-            if self._queues[Priority.DEMAND] and self._in_flight < demand_limit:
-                slot = self._queues[Priority.DEMAND].popleft()
-            elif self._queues[Priority.SPECULATIVE] and self._in_flight < spec_limit:
-                slot = self._queues[Priority.SPECULATIVE].popleft()
-            else:
+            in_flight = self._table.in_flight
+            slot = self._table.hand_next(Priority.DEMAND) if in_flight < demand_limit else None
+            if slot is None and in_flight < spec_limit:
+                slot = self._table.hand_next(Priority.SPECULATIVE)
+            if slot is None:
                 return
-            slot.started = True
-            slot.handed_speculative = slot.priority is Priority.SPECULATIVE
-            self._handed_speculative += slot.handed_speculative
-            self._in_flight += 1
             task = asyncio.get_running_loop().create_task(self._run_read(slot))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -546,9 +411,7 @@ class ExpertScheduler:
             nbytes = await self._backend.read(record, slot.index, int(slot.priority))
         except Exception as e:  # any failure of the read fails its awaiters
             self.stats.io_errors += 1
-            del self._where[key]
-            self.policy.on_remove(key)
-            slot.key, slot.state, slot.loaded, slot.speculative = None, SlotState.EMPTY, None, False
+            self._table.failed(slot)
             if not future.done():
                 future.set_exception(ReadError(key, record, e))
                 future.exception()  # mark retrieved: a bet may have no awaiter
@@ -557,52 +420,19 @@ class ExpertScheduler:
             counters.reads += 1
             counters.bytes += nbytes
             counters.read_latency.add(self._clock() - started)
-            slot.state = SlotState.READY
+            self._table.loaded(slot)
             if not future.done():
                 future.set_result(None)
         finally:
-            slot.started = False
-            self._in_flight -= 1
-            self._handed_speculative -= slot.handed_speculative
-            slot.handed_speculative = False
+            self._table.end_read(slot)
             if _loop_running():  # not when the loop is tearing this coroutine down
                 self._pump()
                 if slot.pins == 0:
                     self._wake_room()
 
     def _unpin(self, slots: list[int], owner: object) -> None:
-        # Checked before anything changes, also under python -O (which drops asserts): a
-        # negative pin count would let the slot be reused while a request computes on it.
-        taken = Counter(slots)
-        for index, n in taken.items():
-            if self._slots[index].pins < n:
-                raise RuntimeError(f"slot {index} released more often than pinned (a bug)")
-        woke = False
-        for index in slots:
-            slot = self._slots[index]
-            slot.pins -= 1
-            if slot.pins == 0:
-                woke = True
-                if slot.state is SlotState.LOADING and not slot.started and not slot.speculative:
-                    # Nobody wants this queued read any more: free its slot and the disk.
-                    self._queues[slot.priority].remove(slot)
-                    self._abandon(slot)
-                    self.stats.by_priority[slot.priority].cancelled += 1
-        for index in slots:
-            self._charge_release(owner, index)
-        if woke:
+        if self._table.unpin(slots, owner):
             self._wake_room()
-
-    def _charge_release(self, owner: object, index: int) -> None:
-        holders = [owner] if self._holdings.get(owner, Counter())[index] else []
-        holders += [o for o, c in self._holdings.items() if c[index] and o is not owner]
-        assert holders, f"slot {index} released but nobody holds it"
-        held = self._holdings[holders[0]]
-        held[index] -= 1
-        if held[index] == 0:
-            del held[index]
-        if not held:
-            del self._holdings[holders[0]]
 
     async def _wait_for_room(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -622,34 +452,8 @@ class ExpertScheduler:
     # ----------------------------------------------------------------- checking
     def check_invariants(self) -> None:
         """Assert the slot table is consistent (tests call this after every step)."""
-        seen: dict[Key, int] = {}
-        queued = {id(s) for q in self._queues.values() for s in q}
-        started = 0
-        for s in self._slots:
-            assert s.pins >= 0
-            if s.key is not None:
-                assert s.key not in seen, f"{s.key} in two slots"
-                seen[s.key] = s.index
-                assert self._where.get(s.key) is s
-                assert s.state is not SlotState.EMPTY
-            else:
-                assert s.state is SlotState.EMPTY
-            if s.state is SlotState.LOADING:
-                assert s.loaded is not None and not s.loaded.done()
-                assert s.started != (id(s) in queued), "a load is either queued or in flight"
-                started += s.started
-            else:
-                assert id(s) not in queued and not s.started
-            if s.state is SlotState.READY:
-                assert s.loaded is not None and s.loaded.done() and s.loaded.exception() is None
-        assert set(seen) == set(self._where)
-        assert started == self._in_flight <= self._limits()[0]
-        handed_spec = sum(s.handed_speculative for s in self._slots)
-        assert handed_spec == self._handed_speculative <= self._in_flight
-        pins: Counter[int] = Counter()
-        for held in self._holdings.values():
-            pins.update(held)
-        assert all(pins[s.index] == s.pins for s in self._slots), "pins and holders disagree"
+        self._table.check_invariants()
+        assert self._table.in_flight <= self._limits()[0]
 
 
 def _loop_running() -> bool:

@@ -2,9 +2,11 @@
 
 Endpoints: POST /v1/chat/completions (JSON or server-sent events), POST /v1/completions,
 GET /v1/models, GET /health, GET /v1/smoe/stats. Errors use OpenAI's error format: a 4xx
-naming the field for a bad request (smoe/serve/validate.py checks every field), 503 when
-the engine cannot serve (its vault or disk failing), 500 only for a bug of ours; a 5xx
-tells the client a request id, never internals, and the server log has the details.
+naming the field for a bad request (smoe/serve/body.py checks the body, validate.py every
+field), 503 when the engine cannot serve (its vault or disk failing), 500 only for a bug of
+ours; a 5xx tells the client a request id, never internals, and the server log has the
+details (smoe/serve/api_error.py). This module holds the app, its routes and middleware;
+smoe/serve/completion.py builds each answer (JSON or events).
 
 Concurrent requests are decoded together by the engine's batcher (one step advances every
 active request; per MoE layer the union of their experts is read once), with results
@@ -13,20 +15,23 @@ that request's KV cache (prefix reuse); a chat request that sends back a reply o
 verbatim continues from the ids that reply was generated as (``PrefixCache.follow_up``),
 so only its new messages are prefilled. A client that disconnects leaves the batch at the
 next step. Requests beyond the batch wait in a bounded queue; past it they get 429.
+
+The server starts no tasks of its own: aiohttp runs each request in its task and cancels
+it when its client disconnects; the waits with a limit (a request body) are anyio cancel
+scopes, so a cancellation from outside passes through them untouched.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
-import json
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from jinja2 import TemplateError
@@ -35,18 +40,21 @@ from smoe.compute.model import compute_dtype_note
 from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine import Engine
 from smoe.errors import SmoeError
+from smoe.serve.api_error import ApiError, failure, http_error
+from smoe.serve.body import MAX_BODY_BYTES, check_content_type, parse_body
+from smoe.serve.completion import (
+    Completion,
+    end_stream,
+    open_stream,
+    send_event,
+    stream_failure,
+    usage,
+)
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
 from smoe.serve.stops import StopMatcher
-from smoe.serve.validate import (
-    MAX_BODY_BYTES,
-    ApiError,
-    Limits,
-    check_content_type,
-    parse_body,
-    validate_request,
-)
+from smoe.serve.validate import Limits, validate_request
 
-__all__ = ["ApiError", "ChatReply", "PrefixCache", "Server", "ServerOptions", "serve"]
+__all__ = ["Server", "ServerOptions", "serve"]
 
 MAX_TOKENS_LIMIT = 32768
 DEFAULT_MAX_TOKENS = 256  # when a request sets none (and the context has room)
@@ -103,97 +111,6 @@ class _Turn:
     continued: bool = False
 
 
-def _usage(prompt: int, completion: int, reused: int) -> dict[str, Any]:
-    """OpenAI's usage block; ``cached_tokens`` is its name for the prompt tokens reused."""
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": reused},
-    }
-
-
-def _failure(e: Exception, rid: str) -> ApiError:
-    """What the client is told about a failure that is not its request's fault. A
-    SmoeError or OSError (the vault or disk failing, the engine closed) is the operator's
-    to fix: 503, one log line. Anything else is a bug of ours: 500, the traceback logged
-    once. Neither tells the client more than the class and a request id to quote."""
-    if isinstance(e, (SmoeError, OSError)):
-        log.error("request %s: %s: %s", rid, type(e).__name__, " ".join(str(e).split()))
-        return ApiError(
-            503,
-            f"the server cannot serve requests right now ({type(e).__name__}); retry "
-            f"later, or give its operator the request id {rid}",
-            "server_error",
-            code="service_unavailable",
-        )
-    log.error("request %s failed", rid, exc_info=e)
-    return ApiError(
-        500,
-        f"internal server error; give the server's operator the request id {rid}",
-        "server_error",
-        code="internal_error",
-    )
-
-
-@dataclass
-class _Completion:
-    """One request's answer as it is generated: the text after stop strings, the ids
-    shown, how it finished, and its OpenAI identity (id, object kind, creation time)."""
-
-    chat: bool
-    stops: StopMatcher
-    id: str = ""
-    kind: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)  # the ids shown (not an end of turn)
-    completion: int = 0
-    finish: str = "length"
-    ended: bool = False  # the model ended its turn (its end-of-turn id is in the stream)
-
-    def __post_init__(self) -> None:
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.kind = "chat.completion" if self.chat else "text_completion"
-
-    def feed(self, event: Any) -> str:
-        """Take one engine event; return the text it adds for the client ('' for none)."""
-        if event.token is not None:
-            self.completion += 1
-            self.generated.append(event.token)
-        if event.finish_reason:
-            self.finish = event.finish_reason
-            self.ended = self.finish == "stop"
-        piece = self.stops.feed(event.text) if event.text else ""
-        if self.stops.stopped:
-            self.finish = "stop"
-        elif event.finish_reason:
-            piece += self.stops.flush()
-        if piece:
-            self.text.append(piece)
-        return piece
-
-    @property
-    def reply(self) -> str:
-        return "".join(self.text)
-
-    def body(self, model: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming JSON answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": self.reply}
-        else:
-            choice["text"] = self.reply
-        return {
-            "id": self.id,
-            "object": self.kind,
-            "created": self.created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
-        }
-
-
 class Server:
     """The HTTP front of one engine."""
 
@@ -236,11 +153,11 @@ class Server:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            response = _http_error(request, e, self.options.max_body_bytes).response()
+            response = http_error(request, e, self.options.max_body_bytes).response()
         except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
             raise
         except Exception as e:  # not the request's fault: keep serving, tell no internals
-            response = _failure(e, rid).response()
+            response = failure(e, rid).response()
         if not response.prepared:  # a stream has sent its headers already, with the id
             response.headers["X-Request-Id"] = rid
         return response
@@ -315,7 +232,7 @@ class Server:
         """The request's fields, validated (smoe/serve/validate.py); ApiError 4xx if not."""
         check_content_type(request.headers.get("Content-Type"))
         try:
-            async with asyncio.timeout(self.options.body_timeout_s):
+            with anyio.fail_after(self.options.body_timeout_s):
                 raw = await request.read()  # 413 past client_max_size
         except TimeoutError:
             raise ApiError(
@@ -428,7 +345,6 @@ class Server:
     ) -> web.StreamResponse:
         """Generate for one request and answer it: JSON, or server-sent events as the
         tokens come. Its sequence goes back to the prefix cache whatever happens."""
-        engine = self.engine
         seq, _ = self.cache.take(ids)
         if turn is not None and turn.continued:
             self.reply_follow_ups += 1
@@ -441,26 +357,12 @@ class Server:
             self.reused_tokens += reused  # counters written by the compute thread only
             self.prefilled_tokens += run
 
-        out = _Completion(chat, StopMatcher(opts.stops))
+        out = Completion(chat, StopMatcher(opts.stops), self.options.model_name)
         request_id = _request_id.get()
         kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
-        response = await self._open_stream(request, request_id) if opts.stream else None
+        response = await open_stream(request, request_id) if opts.stream else None
         try:
-            events = engine.stream(
-                ids,
-                opts.params,
-                opts.max_tokens,
-                sequence=seq,
-                stop_at_eos=opts.stop_at_eos,
-                on_prepared=prepared,
-            )
-            async with contextlib.aclosing(events):  # leaving early frees the batch place
-                async for event in events:
-                    piece = out.feed(event)
-                    if piece and response is not None:
-                        await self._sse(response, out.id, out.kind, out.created, piece, None, chat)
-                    if out.stops.stopped:
-                        break
+            await self._generate(ids, opts, seq, prepared, out, response)
             if turn is not None and seq is not None:
                 try:  # only an optimisation: its failure is logged, never the request's
                     kept = self._reply(
@@ -475,40 +377,45 @@ class Server:
         except Exception as e:
             if response is None:
                 raise
-            await self._stream_failure(response, e, request_id)
+            await stream_failure(response, e, request_id)
             return response
         finally:
             if seq is not None:
                 self.cache.put(seq, kept)
-        usage = _usage(len(ids), out.completion, reused)
+        counted = usage(len(ids), out.completion, reused)
         if response is None:
-            return web.json_response(out.body(self.options.model_name, usage))
-        await self._sse(response, out.id, out.kind, out.created, "", out.finish, chat, usage)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            return web.json_response(out.body(counted))
+        await end_stream(response, out, counted)
         return response
 
-    @staticmethod
-    async def _open_stream(request: web.Request, request_id: str) -> web.StreamResponse:
-        """A server-sent-events answer, its status (200) and headers sent."""
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": request_id,
-            }
+    async def _generate(
+        self,
+        ids: list[int],
+        opts: RequestOptions,
+        seq: Sequence_ | None,
+        prepared: Callable[[Sequence_, int], None],
+        out: Completion,
+        response: web.StreamResponse | None,
+    ) -> None:
+        """Feed the engine's events for ``ids`` (on ``seq``, a new sequence if None) into
+        ``out`` until they end or a stop string does; each piece of text goes to the
+        client as an event at once if ``response`` streams. A client that disconnects
+        cancels this with its handler (aiohttp's handler cancellation)."""
+        events = self.engine.stream(
+            ids,
+            opts.params,
+            opts.max_tokens,
+            sequence=seq,
+            stop_at_eos=opts.stop_at_eos,
+            on_prepared=prepared,
         )
-        await response.prepare(request)
-        return response
-
-    @staticmethod
-    async def _stream_failure(response: web.StreamResponse, e: Exception, rid: str) -> None:
-        """The stream has begun (status 200 sent): the error goes as an event."""
-        error = json.dumps(_failure(e, rid).to_json())
-        with contextlib.suppress(ConnectionError):  # the client may be gone too
-            await response.write(f"data: {error}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+        async with contextlib.aclosing(events):  # leaving early frees the batch place
+            async for event in events:
+                piece = out.feed(event)
+                if piece and response is not None:
+                    await send_event(response, out.chunk(piece, None))
+                if out.stops.stopped:
+                    break
 
     def _reply(
         self,
@@ -540,59 +447,6 @@ class Server:
         if ended and tokens[end - 1] not in eos:
             return None
         return ChatReply(turn.messages, text, end)
-
-    async def _sse(
-        self,
-        response: web.StreamResponse,
-        rid: str,
-        kind: str,
-        created: int,
-        text: str,
-        finish: str | None,
-        chat: bool,
-        usage: dict[str, Any] | None = None,
-    ) -> None:
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": text} if text else {},
-                "finish_reason": finish,
-            }
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            obj = kind
-        chunk: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": self.options.model_name,
-            "choices": [choice],
-        }
-        if usage is not None:
-            chunk["usage"] = usage
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-
-def _http_error(request: web.Request, e: web.HTTPException, max_body: int) -> ApiError:
-    """aiohttp's own refusals (no route, wrong method, body too large) in OpenAI's shape."""
-    what = f"{request.method} {request.path}"
-    if e.status == 404:
-        return ApiError(404, f"no such endpoint: {what}", code="not_found")
-    if e.status == 405:
-        allowed = getattr(e, "allowed_methods", None) or ()
-        return ApiError(
-            405,
-            f"{what} is not allowed; use {' or '.join(sorted(allowed)) or 'another method'}",
-            code="method_not_allowed",
-        )
-    if e.status == 413:
-        return ApiError(
-            413,
-            f"the request body exceeds this server's limit of {max_body} bytes",
-            code="request_too_large",
-        )
-    return ApiError(e.status, e.reason or "error")
 
 
 def _line(e: object) -> str:
@@ -627,6 +481,6 @@ async def serve(
         sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
         ready(sockets[0].getsockname()[1] if sockets else port)
     try:
-        await asyncio.Event().wait()
+        await anyio.sleep_forever()
     finally:
         await runner.cleanup()

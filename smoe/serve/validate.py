@@ -1,9 +1,8 @@
 """Request validation for `smoe serve`: every field checked the way OpenAI checks it.
 
 One table, ``FIELDS``, says each field's JSON type, range and what this server supports;
-both endpoints validate through ``validate_request``. The body itself is checked first by
-``parse_body``: media type and charset, size (aiohttp's ``client_max_size``), nesting
-depth, JSON syntax (no NaN or Infinity), finite numbers and valid Unicode.
+both endpoints validate through ``validate_request``, after smoe/serve/body.py has checked
+and parsed the body itself.
 
 Every problem raises ``ApiError``: a 4xx in OpenAI's error shape whose one-line message
 names the field, what is allowed and what was sent, e.g.
@@ -13,213 +12,16 @@ Fields not in the table are ignored, as by vLLM (OpenAI itself refuses them).
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from aiohttp import web
+from smoe.serve.api_error import ApiError
+from smoe.serve.describe import NOUNS, is_int, json_type, noun, show
 
-MAX_BODY_BYTES = 4 * 1024**2  # a 128k-token prompt, even JSON-escaped, fits
-MAX_DEPTH = 64  # a request needs 5 levels; deeper is an attack on the parser
 MAX_MESSAGES = 2048
 MAX_STOP_CHARS = 1000  # each stop string; the matcher's work per token grows with it
 INT64 = (-(2**63), 2**63 - 1)
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> web.Response:
-        return web.json_response(self.to_json(), status=self.status)
-
-
-# ------------------------------------------------------------------ the body
-
-
-def check_content_type(header: str | None) -> None:
-    """415 unless the body is declared JSON (or not declared) in UTF-8 (RFC 8259 §8.1)."""
-    if header is None or not header.strip():
-        return
-    mime, *params = header.split(";")
-    mime = mime.strip().lower()
-    if mime != "application/json" and not (
-        mime.startswith("application/") and mime.endswith("+json")
-    ):
-        raise ApiError(
-            415,
-            f"Invalid 'Content-Type': {_show(mime)} is not supported; send 'application/json'",
-            param="Content-Type",
-            code="unsupported_media_type",
-        )
-    for param in params:
-        key, _, value = param.partition("=")
-        if key.strip().lower() != "charset":
-            continue
-        charset = value.strip().strip('"').lower()
-        if charset not in ("utf-8", "utf8"):
-            raise ApiError(
-                415,
-                f"Invalid 'Content-Type': charset {_show(charset)} is not supported; JSON "
-                "bodies must be UTF-8 (send 'application/json; charset=utf-8' or no charset)",
-                param="Content-Type",
-                code="unsupported_media_type",
-            )
-
-
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)  # an unterminated one ends the body
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in ``raw`` (JSON text, maybe invalid),
-    found without parsing, so without recursion: strings removed, then brackets counted.
-    Linear time: possessive quantifiers never backtrack, and a string left open runs to
-    the end of the body."""
-    brackets = _STRING.sub(b"", raw).translate(None, delete=_NOT_BRACKETS)
-    if not brackets:
-        return 0
-    a = np.frombuffer(brackets, np.uint8)
-    steps = np.where((a == ord("[")) | (a == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
-
-
-class _BadNumber:
-    """What the parser makes of NaN, Infinity and floats beyond 64 bits; reported with
-    the field it sits in once parsing is done."""
-
-    def __init__(self, literal: str) -> None:
-        self.literal = literal
-
-    def __repr__(self) -> str:
-        return self.literal
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object; ApiError 400 for anything else (see the module doc)."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and json_depth(raw) > MAX_DEPTH:
-        raise ApiError(
-            400,
-            f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels",
-            code="invalid_json",
-        )
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ApiError(
-            400,
-            f"the request body is not valid UTF-8 (byte {e.start}); send UTF-8 JSON",
-            code="invalid_json",
-        ) from None
-    bad: list[_BadNumber] = []
-
-    def bad_number(literal: str) -> _BadNumber:
-        bad.append(_BadNumber(literal))
-        return bad[-1]
-
-    def parse_float(literal: str) -> float | _BadNumber:
-        value = float(literal)
-        return value if math.isfinite(value) else bad_number(literal)
-
-    try:
-        body = json.loads(text, parse_constant=bad_number, parse_float=parse_float)
-    except json.JSONDecodeError as e:
-        raise ApiError(
-            400,
-            f"the request body is not valid JSON: {e.msg} at character {e.pos}",
-            code="invalid_json",
-        ) from None
-    except ValueError:  # Python's limit of 4300 digits for an integer
-        raise ApiError(
-            400, "the request body has an integer of over 4300 digits", code="invalid_json"
-        ) from None
-    except RecursionError:  # cannot happen below MAX_DEPTH; kept as a last line of defence
-        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(
-            400,
-            f"the request body must be a JSON object, not {_noun(body)}",
-            code="invalid_json",
-        )
-    if bad or _SURROGATE_ESCAPE.search(raw):
-        _check_leaves(body)
-    return body
-
-
-def _check_leaves(body: dict[str, Any]) -> None:
-    """400 naming a NaN/Infinity/overflowing number or a lone surrogate (a ``\\ud800``
-    escape without its pair, which no UTF-8 text can hold) anywhere in the body."""
-    stack: list[tuple[Any, str]] = [(body, "")]
-    while stack:
-        node, path = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in items:
-            if isinstance(key, str):
-                if _SURROGATE.search(key):
-                    raise _surrogate(path or "the body", key)
-                where = f"{path}.{key}" if path else key
-            else:
-                where = f"{path}[{key}]"
-            if isinstance(value, (dict, list)):
-                stack.append((value, where))
-            elif isinstance(value, _BadNumber):
-                spec = FIELDS.get(where)
-                allowed = f"; expected {_expected(spec)}" if spec else ""
-                raise ApiError(
-                    400,
-                    f"Invalid '{where}': {value.literal} is not a finite 64-bit number{allowed}.",
-                    param=where,
-                    code="invalid_value",
-                )
-            elif isinstance(value, str) and _SURROGATE.search(value):
-                raise _surrogate(where, value)
-
-
-def _surrogate(where: str, text: str) -> ApiError:
-    found = _SURROGATE.search(text)
-    code = ord(found.group()) if found else 0
-    return ApiError(
-        400,
-        f"Invalid '{where}': it holds a lone surrogate U+{code:04X}, which is not Unicode; "
-        "escape characters beyond U+FFFF as a surrogate pair",
-        param=where,
-        code="invalid_value",
-    )
-
-
-# ------------------------------------------------------------------ the fields
 
 
 @dataclass(frozen=True)
@@ -310,7 +112,7 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, str
             raise ApiError(
                 400,
                 f"Invalid '{where}.role': expected one of {', '.join(ROLES)}, "
-                f"but got {_show(role)} instead.",
+                f"but got {show(role)} instead.",
                 param=f"{where}.role",
                 code="invalid_value",
             )
@@ -332,7 +134,7 @@ def _required(obj: dict[str, Any], where: str, key: str, kinds: tuple[str, ...])
             param=f"{where}.{key}",
             code="missing_required_parameter",
         )
-    if _json_type(value) not in kinds and not ("number" in kinds and _is_number(value)):
+    if json_type(value) not in kinds and not ("number" in kinds and _is_number(value)):
         raise _wrong_type(f"{where}.{key}", kinds, value)
     return value
 
@@ -348,7 +150,7 @@ def _text_parts(where: str, parts: list[Any]) -> str:
             raise ApiError(
                 400,
                 f"Invalid '{at}.type': this server takes text parts only, "
-                f"but got {_show(kind)} instead.",
+                f"but got {show(kind)} instead.",
                 param=f"{at}.type",
                 code="invalid_value",
             )
@@ -388,13 +190,13 @@ def _check_prompt(name: str, value: Any, limits: Limits) -> str | list[int]:
             code="unsupported_value",
         )
     for i, token in enumerate(value):
-        if not _is_int(token) or not 0 <= token < limits.vocab:
+        if not is_int(token) or not 0 <= token < limits.vocab:
             raise ApiError(
                 400,
                 f"Invalid '{name}[{i}]': expected a token id between 0 and "
-                f"{limits.vocab - 1}, but got {_show(token)} instead.",
+                f"{limits.vocab - 1}, but got {show(token)} instead.",
                 param=f"{name}[{i}]",
-                code="invalid_value" if _is_int(token) else "invalid_type",
+                code="invalid_value" if is_int(token) else "invalid_type",
             )
     return list(value)
 
@@ -485,7 +287,7 @@ def _validate(name: str, value: Any, spec: Spec, limits: Limits) -> Any:
                 code="missing_required_parameter",
             )
         return spec.default
-    kind = _json_type(value)
+    kind = json_type(value)
     if kind not in spec.kinds and not ("number" in spec.kinds and kind == "integer"):
         raise _wrong_type(name, spec.kinds, value)
     if spec.lo is not None or spec.hi is not None:
@@ -493,7 +295,7 @@ def _validate(name: str, value: Any, spec: Spec, limits: Limits) -> Any:
     if spec.supported is not None and not spec.supported(value):
         raise ApiError(
             400,
-            f"Unsupported value: '{name}' {spec.unsupported}; got {_show(value)}.",
+            f"Unsupported value: '{name}' {spec.unsupported}; got {show(value)}.",
             param=name,
             code="unsupported_value",
         )
@@ -506,8 +308,8 @@ def _validate(name: str, value: Any, spec: Spec, limits: Limits) -> Any:
     except OverflowError:  # an integer beyond float64, in a field with no upper bound
         raise ApiError(
             400,
-            f"Invalid '{name}': expected {_expected(spec)} that fits a 64-bit float, "
-            f"but got {_show(value)} instead.",
+            f"Invalid '{name}': expected {expected(spec)} that fits a 64-bit float, "
+            f"but got {show(value)} instead.",
             param=name,
             code="decimal_above_max_value",
         ) from None
@@ -522,75 +324,36 @@ def _check_range(name: str, value: float, spec: Spec, limits: Limits) -> None:
         number = "integer" if spec.kinds == ("integer",) else "decimal"
         raise ApiError(
             400,
-            f"Invalid '{name}': expected {_expected(spec, hi)}, but got {_show(value)} instead.",
+            f"Invalid '{name}': expected {expected(spec, hi)}, but got {show(value)} instead.",
             param=name,
             code=f"{number}_{'below_min' if below else 'above_max'}_value",
         )
 
 
-def _expected(spec: Spec | None, hi: float | str | None = None) -> str:
-    """``spec``'s values in words: "a number between 0 and 2"."""
+def expected(spec: Spec | None, hi: float | str | None = None) -> str:
+    """``spec``'s values in words: "a number between 0 and 2" ("a value" for no spec)."""
     if spec is None:
         return "a value"
     hi = spec.hi if hi is None else hi
-    noun = " or ".join(_NOUNS[k] for k in spec.kinds)
+    kinds = " or ".join(NOUNS[k] for k in spec.kinds)
     lo, hi = spec.lo, None if isinstance(hi, str) else hi
     if lo is None:
-        return noun if hi is None else f"{noun} of at most {_num(hi)}"
+        return kinds if hi is None else f"{kinds} of at most {_num(hi)}"
     if hi is None:
-        return f"{noun} {'above' if spec.lo_open else 'of at least'} {_num(lo)}"
+        return f"{kinds} {'above' if spec.lo_open else 'of at least'} {_num(lo)}"
     if spec.lo_open:
-        return f"{noun} above {_num(lo)} and at most {_num(hi)}"
-    return f"{noun} between {_num(lo)} and {_num(hi)}"
-
-
-_NOUNS = {
-    "integer": "an integer",
-    "number": "a number",
-    "boolean": "a boolean",
-    "string": "a string",
-    "array": "an array",
-    "object": "an object",
-}
+        return f"{kinds} above {_num(lo)} and at most {_num(hi)}"
+    return f"{kinds} between {_num(lo)} and {_num(hi)}"
 
 
 def _wrong_type(where: str, kinds: tuple[str, ...], value: Any) -> ApiError:
     return ApiError(
         400,
-        f"Invalid type for '{where}': expected {' or '.join(_NOUNS[k] for k in kinds)}, "
-        f"but got {_noun(value)} instead.",
+        f"Invalid type for '{where}': expected {' or '.join(NOUNS[k] for k in kinds)}, "
+        f"but got {noun(value)} instead.",
         param=where,
         code="invalid_type",
     )
-
-
-def _noun(value: Any) -> str:
-    kind = _json_type(value)
-    return _NOUNS.get(kind, "a " + kind)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, _BadNumber):
-        return "non-finite number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
@@ -599,11 +362,3 @@ def _is_number(value: Any) -> bool:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    """A short rendering of what the client sent, safe to echo."""
-    if _is_int(value) and abs(value) >= 10**limit:  # str() of 4300+ digits raises
-        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
-    text = json.dumps(value) if not isinstance(value, _BadNumber) else value.literal
-    return text if len(text) <= limit else text[: limit - 3] + "..."

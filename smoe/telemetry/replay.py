@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -190,6 +190,70 @@ def _check_fits(stream: KeyStream, slots: int) -> None:
         )
 
 
+class _ReplayRing:
+    """The ring ``replay`` simulates: which keys are resident, the policy told of every
+    change, and which resident keys were prefetched and not used yet."""
+
+    def __init__(self, policy: EvictionPolicy, slots: int) -> None:
+        self.policy = policy
+        self.slots = slots
+        self.resident: set[Key] = set()
+        self.candidates = _Candidates(self.resident)
+        self.speculative: set[Key] = set()  # prefetched, not used yet
+        self.hits = self.spec_reads = self.spec_used = 0
+
+    def evict(self) -> None:
+        out = self.policy.victim(self.candidates)
+        if out not in self.candidates:
+            raise AssertionError(f"policy {self.policy.name} chose {out}, not a candidate")
+        self.resident.remove(out)
+        self.speculative.discard(out)
+        self.policy.on_remove(out)
+
+    def demand(self, keys: Sequence[Key]) -> None:
+        """One request: its keys pinned, each a hit or a read (evicting when full)."""
+        # The inner loop of every sweep: the policy's methods bound once per request.
+        resident, speculative = self.resident, self.speculative
+        on_access, on_insert = self.policy.on_access, self.policy.on_insert
+        self.candidates.pinned = frozenset(keys)
+        for key in keys:
+            if key in resident:
+                self.hits += 1
+                if key in speculative:
+                    speculative.discard(key)
+                    self.spec_used += 1
+                on_access(key)
+                continue
+            if len(resident) >= self.slots:
+                self.evict()
+            resident.add(key)
+            on_insert(key)
+            on_access(key)
+
+    def hint(self, keys: Sequence[Key], on_hint: Callable[[Key], None]) -> None:
+        """Tell the policy which hinted keys are resident, as ExpertScheduler.hint does."""
+        for key in keys:
+            if key in self.resident:
+                on_hint(key)
+
+    def prefetch(self, keys: Sequence[Key]) -> None:
+        """Load ``keys`` speculatively; those loading are not candidates for eviction."""
+        loading: set[Key] = set()  # LOADING in the scheduler: not a candidate
+        self.candidates.pinned = loading
+        for key in keys:
+            if key in self.resident:
+                continue
+            if len(self.resident) >= self.slots:
+                if not len(self.candidates):
+                    break
+                self.evict()
+            self.resident.add(key)
+            loading.add(key)
+            self.speculative.add(key)
+            self.policy.on_insert(key)
+            self.spec_reads += 1
+
+
 def replay(
     source: KeyStream | Iterable[Request],
     slots: int,
@@ -219,54 +283,14 @@ def replay(
         raise ValueError("prefetch needs a stream with prefetch lists")
     hint_lists = stream.hints if on_hint is not None else None
     spec_lists = stream.prefetch if prefetch else None
-    resident: set[Key] = set()
-    candidates = _Candidates(resident)
-    on_access, on_insert, on_remove = pol.on_access, pol.on_insert, pol.on_remove
-    speculative: set[Key] = set()  # prefetched, not used yet
-    hits = spec_reads = spec_used = 0
-
-    def evict() -> None:
-        out = pol.victim(candidates)
-        if out not in candidates:
-            raise AssertionError(f"policy {pol.name} chose {out}, not a candidate")
-        resident.remove(out)
-        speculative.discard(out)
-        on_remove(out)
-
+    ring = _ReplayRing(pol, slots)
     for b, keys in enumerate(stream.batches):
-        candidates.pinned = frozenset(keys)
-        for key in keys:
-            if key in resident:
-                hits += 1
-                if key in speculative:
-                    speculative.discard(key)
-                    spec_used += 1
-                on_access(key)
-                continue
-            if len(resident) >= slots:
-                evict()
-            resident.add(key)
-            on_insert(key)
-            on_access(key)
+        ring.demand(keys)
         if hint_lists is not None and on_hint is not None:
-            for key in hint_lists[b]:
-                if key in resident:
-                    on_hint(key)
+            ring.hint(hint_lists[b], on_hint)
         if spec_lists is not None and spec_lists[b]:
-            loading: set[Key] = set()  # LOADING in the scheduler: not a candidate
-            candidates.pinned = loading
-            for key in spec_lists[b]:
-                if key in resident:
-                    continue
-                if len(resident) >= slots:
-                    if not len(candidates):
-                        break
-                    evict()
-                resident.add(key)
-                loading.add(key)
-                speculative.add(key)
-                on_insert(key)
-                spec_reads += 1
+            ring.prefetch(spec_lists[b])
+    hits, spec_reads, spec_used = ring.hits, ring.spec_reads, ring.spec_used
     n = stream.num_requests
     name = pol.name + ("+hint" if hint_lists is not None else "")
     name += "+prefetch" if spec_lists is not None else ""
@@ -331,20 +355,9 @@ def replay_belady(
                 current[old] = -1  # its heap entries are stale now
                 del recent[old]
             else:
-                skipped = []
-                while True:
-                    entry = heapq.heappop(heap)
-                    use_v, victim = divmod(-entry, nkeys)
-                    if current[victim] != use_v:
-                        continue  # stale
-                    if in_batch[victim] == b:
-                        skipped.append(entry)  # pinned by this request
-                        continue
-                    current[victim] = -1
-                    recent.pop(victim, None)
-                    break
-                for entry in skipped:
-                    heapq.heappush(heap, entry)
+                victim = _pop_farthest(heap, current, in_batch, b, nkeys)
+                current[victim] = -1
+                recent.pop(victim, None)
             current[key] = use
             heapq.heappush(heap, -(use * nkeys + key))
             if horizon is not None:
@@ -356,6 +369,26 @@ def replay_belady(
     n = stream.num_requests
     name = "belady" if horizon is None else f"belady-h{horizon}"
     return ReplayResult(name, slots, n, hits, n - hits, (n - hits) * record_bytes)
+
+
+def _pop_farthest(
+    heap: list[int], current: list[int], in_batch: list[int], b: int, nkeys: int
+) -> int:
+    """The resident key outside request ``b`` whose next use is farthest, off the heap
+    (stale entries dropped, those of keys request ``b`` pins put back)."""
+    skipped = []
+    while True:
+        entry = heapq.heappop(heap)
+        use, victim = divmod(-entry, nkeys)
+        if current[victim] != use:
+            continue  # stale
+        if in_batch[victim] == b:
+            skipped.append(entry)  # pinned by this request
+            continue
+        break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return victim
 
 
 def _oldest_unforeseen(

@@ -15,7 +15,8 @@ import numpy as np
 
 from smoe.errors import SmoeError
 from smoe.util.files import remove_tree, replace_dir, write_json_atomic
-from smoe.vault.format import MANIFEST, STATS_DIR, Vault
+from smoe.vault.format import Vault
+from smoe.vault.names import MANIFEST, STATS_DIR
 from smoe.vault.tensorfile import write_safetensors
 
 

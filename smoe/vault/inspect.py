@@ -10,8 +10,9 @@ from typing import Any
 
 from smoe.errors import VaultError
 from smoe.util.sizes import format_bytes
-from smoe.vault.format import BACKBONE_FILE, CONFIG_FILE, Vault
+from smoe.vault.format import Vault
 from smoe.vault.integrity import hasher
+from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE
 
 
 def summary(vault: Vault) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import xxhash
 
 DEFAULT_ALGORITHM = "xxh3_64"
+CHECKSUM_BITS = {"crc32": 32, "xxh3_64": 64}  # width of each algorithm's values
 
 
 def _crc32(data: Any) -> int:

@@ -1,0 +1,360 @@
+"""`smoe bench ...`: every benchmark subcommand and its parser. Each prints its report as
+JSON on stdout and a short summary on stderr; the measuring is in smoe.bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from smoe.errors import SmoeError
+
+
+def _int_list(text: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got '{text}'") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected numbers >= {minimum} like 1,2,4")
+    return values
+
+
+def _count_list(text: str) -> list[int]:
+    return _int_list(text, minimum=0)
+
+
+def _parts_list(text: str) -> list[int | str]:
+    """'auto,1,4' -> ['auto', 1, 4]; SmoeError for anything else."""
+    out: list[int | str] = []
+    for item in text.split(","):
+        if item == "auto":
+            out.append(item)
+        elif item.isdigit() and int(item) >= 1:
+            out.append(int(item))
+        else:
+            raise SmoeError(f"--parts takes auto or counts >= 1, e.g. auto,1 (got {item!r})")
+    return out
+
+
+def cmd_bench_io(args: argparse.Namespace) -> int:
+    from smoe.bench.io import bench_io
+
+    report = bench_io(
+        args.vault,
+        args.workers,
+        reads=args.reads,
+        repeats=args.repeats,
+        batch=args.batch,
+        slots=args.slots,
+        seed=args.seed,
+        paths=tuple(args.path.split(",")),
+        busy=tuple(args.busy),
+        parts=tuple(None if p == "auto" else p for p in _parts_list(args.parts)),
+        verify=not args.no_verify,
+        control=args.control,
+    )
+    print(json.dumps(report, indent=1))
+    for row in report["sweep"]:
+        print(
+            f"{row['path']:>8} busy {row['busy_processes']:>2} parts {row['read_parts']} "
+            f"workers {row['workers']:>3}: "
+            f"baseline {row['baseline_GBps']:.2f} GB/s, "
+            f"streamer {row['streamer_GBps']:.2f} GB/s ({100 * row['ratio']:.0f}%)"
+            + (f", control {100 * row['control_ratio']:.0f}%" if "control_ratio" in row else ""),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench_generate(args: argparse.Namespace) -> int:
+    from smoe.bench.generate import bench_generate
+    from smoe.util.loop import run
+
+    report = run(
+        bench_generate(
+            str(args.vault),
+            args.budgets.split(","),
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            workers=args.workers,
+            seed=args.seed,
+        )
+    )
+    print(json.dumps(report, indent=1))
+    for r in report["runs"]:
+        print(
+            f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
+            f"prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
+            f"decode hit {100 * r['decode_hit_rate']:.0f}%, "
+            f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token, "
+            f"I/O wait {100 * r['decode_io_wait_share']:.0f}% of decode",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench_resident(args: argparse.Namespace) -> int:
+    from smoe.bench.resident import bench_resident
+    from smoe.util.loop import run
+
+    report = run(
+        bench_resident(
+            str(args.vault),
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            chunk=args.prefill_chunk,
+            seed=args.seed,
+            device=args.device,
+            ring=args.ring,
+        )
+    )
+    print(json.dumps(report, indent=1))
+    e, r = report["engine"], report["mlx_lm"]
+    print(
+        f"decode {e['decode_tok_s']:.1f} vs mlx-lm {r['decode_tok_s']:.1f} tok/s "
+        f"({report['decode_ratio']:.2f}x); prefill {e['prefill_tok_s']:.1f} vs "
+        f"{r['prefill_tok_s']:.1f} tok/s ({report['prefill_ratio']:.2f}x); "
+        f"tokens equal: {report['tokens_equal']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench_limits(args: argparse.Namespace) -> int:
+    """`smoe bench decode` and `smoe bench prefill` (args.bench says which)."""
+    report = _measure_limits(args)
+    if args.plot and args.bench == "decode":
+        from smoe.bench.plots import plot_time_breakdown
+
+        plot_time_breakdown(report["runs"], args.plot)
+        report["plot"] = str(args.plot)
+    print(json.dumps(report, indent=1))
+    for r in report["runs"]:
+        if args.bench == "decode":
+            print(
+                f"{r['budget']:>6} ({r['ring_slots']} slots): {r['decode_tok_s']:.2f} tok/s, "
+                f"{1e3 * r['time_per_token_s']:.1f} ms/token vs limit "
+                f"{1e3 * r['physical_limit_s']:.1f} ms ({r['ratio_to_limit']:.2f}x); "
+                f"hit {100 * r['decode_hit_rate']:.0f}%, {r['bytes_per_token'] / 1e6:.1f} MB/token",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
+                f"{r['prefill_tok_s']:.1f} tok/s, read {r['prefill_bytes'] / 1e6:.0f} MB",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _measure_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of smoe.bench.decode's bench_decode or bench_prefill, per args.bench."""
+    from smoe.bench.decode import bench_decode, bench_prefill
+    from smoe.util.loop import run
+
+    budgets = args.budgets.split(",")
+    if args.bench == "decode":
+        return run(
+            bench_decode(
+                str(args.vault),
+                budgets,
+                prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens,
+                workers=args.workers,
+                seed=args.seed,
+                spec=args.spec,
+                lookahead=args.lookahead,
+                device=args.device,
+                ring=args.ring,
+                read_parts=args.read_parts,
+            )
+        )
+    return run(
+        bench_prefill(
+            str(args.vault),
+            budgets,
+            prompt_tokens=args.prompt_tokens,
+            workers=args.workers,
+            seed=args.seed,
+            device=args.device,
+            ring=args.ring,
+        )
+    )
+
+
+def cmd_bench_policy(args: argparse.Namespace) -> int:
+    from smoe.bench.policy import main as policy_main
+
+    return policy_main(args.rest, prog="smoe bench policy")
+
+
+def cmd_bench_locality(args: argparse.Namespace) -> int:
+    from smoe.bench.policy import bench_locality
+    from smoe.telemetry.archive import RoutingArchive
+
+    report = bench_locality(RoutingArchive.load(args.archive))
+    print(json.dumps(report, indent=1))
+    print(json.dumps(report.get("headline", {})), file=sys.stderr)
+    return 0
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    from smoe.telemetry.traces import preset_trace
+
+    archive = preset_trace(args.preset, args.tokens, seed=args.seed, layers=args.layers)
+    print(f"wrote {archive.save(args.out)}")
+    return 0
+
+
+def add_bench(sub: Any) -> None:
+    """`smoe bench ...`: every benchmark and its options."""
+    b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    _add_bench_io(bsub)
+    _add_bench_generate(bsub)
+    _add_bench_limits(bsub)
+    _add_bench_resident(bsub)
+    _add_bench_routing(bsub)
+
+
+def _add_bench_io(bsub: Any) -> None:
+    """`smoe bench`: reads: the streamer against raw O_DIRECT."""
+    bio = bsub.add_parser("io", help="streamer read throughput vs a raw O_DIRECT baseline")
+    bio.add_argument("vault", type=Path)
+    bio.add_argument(
+        "--workers",
+        type=_int_list,
+        default=[1, 2, 4, 8, 16],
+        help="worker counts to sweep (default 1,2,4,8,16)",
+    )
+    bio.add_argument(
+        "--reads", type=int, default=None, help="records read per run (default: every record once)"
+    )
+    bio.add_argument(
+        "--repeats", type=int, default=4, help="runs of each kind per worker count, in ABBA order"
+    )
+    bio.add_argument("--batch", type=int, default=8, help="experts per acquire (top-k)")
+    bio.add_argument("--slots", type=int, default=64, help="ring slots for the streamer")
+    bio.add_argument(
+        "--path",
+        default="unified",
+        help="rings to measure: unified (reads land in the slots), staged (disk -> host "
+        "landing -> device arrays), or both: unified,staged",
+    )
+    bio.add_argument(
+        "--busy",
+        type=_count_list,
+        default=[0],
+        help="spinning processes beside the reads, e.g. 0,16 (default 0)",
+    )
+    bio.add_argument(
+        "--parts",
+        default="auto",
+        help="parts the streamer reads each record in, e.g. auto,1 (auto: one per 2 MB, at most 4)",
+    )
+    bio.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not check each record's checksum as it is read (only to measure what "
+        "checking costs: the engine always checks)",
+    )
+    bio.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second baseline per repeat: control_ratio (baseline / baseline) is "
+        "how far two identical runs differ on this disk, the noise floor of ratio",
+    )
+    bio.add_argument("--seed", type=int, default=0)
+    bio.set_defaults(func=cmd_bench_io)
+
+
+def _add_bench_generate(bsub: Any) -> None:
+    """`smoe bench`: prefill and decode at several budgets."""
+    bg = bsub.add_parser("generate", help="prefill and decode at several memory budgets")
+    bg.add_argument("vault", type=Path)
+    bg.add_argument(
+        "--budgets",
+        default="min,half,all",
+        help="comma list of min, half, all or sizes like 2GB (default min,half,all)",
+    )
+    bg.add_argument("--prompt-tokens", type=int, default=128)
+    bg.add_argument("--max-tokens", type=int, default=32)
+    bg.add_argument("--workers", type=int, default=4)
+    bg.add_argument("--seed", type=int, default=0)
+    bg.set_defaults(func=cmd_bench_generate)
+
+
+def _add_bench_limits(bsub: Any) -> None:
+    """`smoe bench`: decode and prefill against their physical limits."""
+    for name, prompt_default, doc in (
+        ("decode", 16, "decode tok/s, bytes/token, I/O wait, vs the physical limit"),
+        ("prefill", 256, "time to first token and prefill tok/s of a long prompt"),
+    ):
+        bd = bsub.add_parser(name, help=doc)
+        bd.add_argument("vault", type=Path)
+        bd.add_argument(
+            "--budgets",
+            default="min,half,all",
+            help="comma list of min, half, all, shares like 25%% or sizes like 2GB",
+        )
+        bd.add_argument("--device", choices=("cpu", "gpu"), default=None)
+        bd.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+        bd.add_argument(
+            "--read-parts",
+            type=int,
+            default=None,
+            help="parts each record is read in at once (default: one per 2 MB, at most 4)",
+        )
+        bd.add_argument("--prompt-tokens", type=int, default=prompt_default)
+        bd.add_argument("--max-tokens", type=int, default=48)
+        bd.add_argument("--workers", type=int, default=4)
+        bd.add_argument("--seed", type=int, default=0)
+        bd.add_argument("--spec", type=int, default=0, help="gate-echo bets (decode only)")
+        bd.add_argument("--no-lookahead", dest="lookahead", action="store_false")
+        bd.add_argument(
+            "--plot",
+            type=Path,
+            default=None,
+            help="write a PNG of the per-token time breakdown (needs smoe[plot])",
+        )
+        bd.set_defaults(func=cmd_bench_limits)
+
+
+def _add_bench_resident(bsub: Any) -> None:
+    """`smoe bench`: every expert resident, against mlx-lm."""
+    br = bsub.add_parser(
+        "resident", help="every expert resident: the engine against mlx-lm in memory"
+    )
+    br.add_argument("vault", type=Path)
+    br.add_argument("--prompt-tokens", type=int, default=256)
+    br.add_argument("--max-tokens", type=int, default=64)
+    br.add_argument("--prefill-chunk", type=int, default=64)
+    br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--device", choices=("cpu", "gpu"), default=None)
+    br.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+    br.set_defaults(func=cmd_bench_resident)
+
+
+def _add_bench_routing(bsub: Any) -> None:
+    """`smoe bench`: policy, locality and trace: routing research."""
+    bp = bsub.add_parser(
+        "policy",
+        add_help=False,
+        help="replay a routing archive or a synthetic trace against eviction "
+        "policies and Belady's optimum (--help for options)",
+    )
+    # Its options are smoe.bench.policy's own: main() hands it what this parser does not know.
+    bp.set_defaults(func=cmd_bench_policy, passthrough=True)
+    bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
+    bl.add_argument("archive", type=Path)
+    bl.set_defaults(func=cmd_bench_locality)
+    bt = bsub.add_parser("trace", help="write a synthetic routing trace with published locality")
+    bt.add_argument("out", type=Path)
+    bt.add_argument("--preset", default="qwen3-235b-like")
+    bt.add_argument("--tokens", type=int, default=2000)
+    bt.add_argument("--layers", type=int, default=None)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.set_defaults(func=cmd_bench_trace)

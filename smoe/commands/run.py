@@ -1,0 +1,351 @@
+"""`smoe generate`, `smoe chat` and `smoe serve`: the commands that open an Engine on a
+vault, and the engine options (--memory, --slots, --policy ...) the three share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from smoe.errors import SmoeError
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got '{text}'") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from smoe.util.loop import run
+
+    return run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    import anyio
+
+    from smoe.engine import Engine
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
+    async with Engine.open(args.vault, **_engine_options(args)) as engine:
+        if args.routing_archive:
+            engine.start_recording(args.archive_depth)
+        tokens, text, stats, finish = await _stream_reply(engine, prompt, args)
+        stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
+        stats["ring_slots"] = engine.ring.num_slots
+        stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
+        stats["ring_bytes"] = engine.ring.nbytes
+        if args.routing_archive:
+            archive = engine.stop_recording()  # compressed and fsynced off the event loop
+            saved = await anyio.to_thread.run_sync(archive.save, args.routing_archive)
+            stats["routing_archive"] = str(saved)
+    _print_generated(tokens, text, stats, finish, as_json=args.json)
+    return 0
+
+
+async def _stream_reply(
+    engine: Any, prompt: Any, args: argparse.Namespace
+) -> tuple[list[int], list[str], dict[str, Any], str | None]:
+    """Generate with the command's sampling options, printing the text as it comes unless
+    --json; return the tokens, the text pieces, the stats and the finish reason."""
+    tokens: list[int] = []
+    text: list[str] = []
+    stats: dict[str, Any] = {}
+    finish = None
+    async for event in engine.generate(
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    ):
+        if event.token is not None:
+            tokens.append(event.token)
+        if event.text:
+            text.append(event.text)
+            if not args.json:
+                print(event.text, end="", flush=True)
+        if event.stats is not None:
+            stats, finish = event.stats.to_json(), event.finish_reason
+    return tokens, text, stats, finish
+
+
+def _print_generated(
+    tokens: list[int], text: list[str], stats: dict[str, Any], finish: str | None, as_json: bool
+) -> None:
+    """`smoe generate`'s result: one JSON object on stdout, or a summary line on stderr
+    after the streamed text."""
+    from smoe.util.sizes import format_bytes
+
+    if as_json:
+        print(
+            json.dumps(
+                {"tokens": tokens, "text": "".join(text), "finish_reason": finish, "stats": stats}
+            )
+        )
+    else:
+        print()
+        print(
+            f"[{len(tokens)} tokens, {finish}; first token {stats['ttft_s']:.2f} s, "
+            f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.2f} "
+            f"tok/s, read {format_bytes(stats['bytes_read'])}, hit rate "
+            f"{100 * stats['hit_rate']:.0f}%; computed in {stats['compute_dtype_note']}]",
+            file=sys.stderr,
+        )
+
+
+def _dtype_note(engine: Any) -> str:
+    """The compute dtype and why (smoe.compute.model.compute_dtype_note)."""
+    from smoe.compute.model import compute_dtype_note
+
+    return compute_dtype_note(engine.vault, engine.dtype, engine.options.dtype is not None)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from smoe.util.loop import run
+
+    return run(_chat(args))
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    import time
+
+    from smoe.chat.demo import demo_vault
+    from smoe.chat.repl import ChatApp, history_file
+    from smoe.chat.sampling import suggested_sampling
+    from smoe.engine import Engine
+
+    start = time.perf_counter()
+    vault = args.vault
+    if vault is None:
+        vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
+    suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
+    temperature = suggested["temperature"] if args.temp is None else args.temp
+    top_p = suggested["top_p"] if args.top_p is None else args.top_p
+    async with Engine.open(vault, **_engine_options(args)) as engine:
+        print(
+            f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
+            f"{_dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
+            f"{top_p:g}" + (" (the model's suggestion)" if args.temp is None else ""),
+            file=sys.stderr,
+        )
+        app = ChatApp(
+            engine,
+            engine.conversation(system=args.system),
+            history=history_file(),
+            sampling={
+                "max_tokens": args.max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seed": args.seed,
+            },
+        )
+        await app.run()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from smoe.util.loop import run
+
+    return run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from smoe.engine import Engine
+    from smoe.serve.app import ServerOptions, serve
+    from smoe.util.sizes import parse_size
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
+    options = ServerOptions(
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        model_name=args.vault.name,
+        prewarm_when_idle=args.prewarm,
+        cached_bytes=parse_size(args.prefix_cache),
+    )
+    async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
+
+        def ready(port: int) -> None:
+            print(
+                f"serving {args.vault} on http://{args.host}:{port}/v1, computing in "
+                f"{_dtype_note(engine)}",
+                file=sys.stderr,
+            )
+
+        await serve(engine, args.host, args.port, options, ready=ready)
+    return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.open keyword arguments from the options _memory_option adds."""
+    return {
+        "memory": args.memory,
+        "slots": args.slots,
+        "workers": args.workers,
+        "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk,
+        "device": args.device,
+        "ring": args.ring,
+        "policy": args.policy,
+        "hint_depth": args.hint_depth,
+        "spec": args.spec,
+        "lookahead": args.lookahead,
+    }
+
+
+def _memory_option(p: argparse.ArgumentParser) -> None:
+    """The engine options generate, chat and serve share: --memory, --slots, --policy ..."""
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="expert ring budget, e.g. 6GB (default: every expert if they fit in half the "
+        "available memory beside the backbone, else as many as fit)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"
+    )
+    p.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="compute device (default: MLX's, the GPU where there is one)",
+    )
+    p.add_argument(
+        "--ring",
+        choices=("auto", "unified", "staged"),
+        default="auto",
+        help="where reads land: unified (in the slots: CPU, Apple) or staged (host landing "
+        "buffers copied into device arrays in the compute dtype: CUDA GPUs, and vaults whose "
+        "scales are not in the compute dtype); auto picks (docs/gpu.md)",
+    )
+    p.add_argument(
+        "--policy",
+        default="lfu",
+        help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer; lfu+hint, "
+        "lru+hint and lru-layer+hint also feed it the router's near misses "
+        "(docs/cache-policy.md)",
+    )
+    p.add_argument(
+        "--hint-depth",
+        type=int,
+        default=None,
+        help="with a +hint policy: hint gate ranks top_k..N-1 (default 4 x top_k)",
+    )
+    p.add_argument(
+        "--no-lookahead",
+        dest="lookahead",
+        action="store_false",
+        help="do not prefetch the next layer's experts predicted by its router on this "
+        "layer's input (on by default: docs/speculation.md)",
+    )
+    p.add_argument(
+        "--spec",
+        type=int,
+        default=0,
+        help="gate-echo bets: prefetch gate ranks k..k+N-1 for the next token "
+        "(default 0: measured net negative so far, docs/speculation.md)",
+    )
+
+
+def add_generate(sub: Any) -> None:
+    """`smoe generate` and its options."""
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
+    g.add_argument("vault", type=Path)
+    g.add_argument("--prompt", default=None, help="prompt text (tokenized without a chat template)")
+    g.add_argument("--prompt-ids", type=_id_list, default=None, help="prompt token ids: 1,2,3")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object with "tokens", "text" and "stats"',
+    )
+    g.add_argument(
+        "--routing-archive",
+        type=Path,
+        default=None,
+        help="record every routing decision (with deeper gate ranks) to this .npz",
+    )
+    g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
+    _memory_option(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def add_chat(sub: Any) -> None:
+    """`smoe chat` and its options."""
+    ch = sub.add_parser("chat", help="chat with a model (the built-in demo without VAULT)")
+    ch.add_argument(
+        "vault",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="vault folder (default: the built-in demo, made on first use)",
+    )
+    ch.add_argument("--system", default=None, help="system prompt")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument(
+        "--temp", type=float, default=None, help="temperature (default: the model's suggestion)"
+    )
+    ch.add_argument("--top-p", type=float, default=None, help="(default: the model's suggestion)")
+    ch.add_argument("--seed", type=int, default=None)
+    _memory_option(ch)
+    ch.set_defaults(func=cmd_chat)
+
+
+def add_serve(sub: Any) -> None:
+    """`smoe serve` and its options."""
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    sv.add_argument("vault", type=Path)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait for a place in the batch; more get 429",
+    )
+    sv.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded together, one token each per step (1: one at a time)",
+    )
+    sv.add_argument(
+        "--prefix-cache",
+        default="2GB",
+        help="memory for the KV caches kept for prefix reuse (last 8 requests; 0: off)",
+    )
+    sv.add_argument(
+        "--no-prewarm",
+        dest="prewarm",
+        action="store_false",
+        help="do not read the historically hottest experts into empty slots when idle",
+    )
+    _memory_option(sv)
+    sv.set_defaults(func=cmd_serve)

@@ -1,0 +1,272 @@
+"""`smoe convert`, `smoe inspect`, `smoe synth` and `smoe export`: the commands that
+make, check and write out checkpoints and vaults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from smoe.vault.format import Vault
+    from smoe.vault.inspect import BadRecord, FileCheck
+
+
+def _progress_bar(desc: str, quiet: bool) -> Callable[[str, int, int], None] | None:
+    """A tqdm-backed progress callback (stage, done, total), or None when quiet."""
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(
+                total=total,
+                desc=f"{desc} {stage}",
+                unit="layer" if stage == "experts" else "part",
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from smoe.util.sizes import format_bytes
+    from smoe.vault.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(
+        bits=args.bits,
+        group_size=args.group_size,
+        dtype=args.dtype,
+        backbone_bits=args.backbone_bits,
+        backbone_group_size=args.backbone_group_size,
+        force=args.force,
+    )
+    start = time.perf_counter()
+    vault = convert(args.src, args.vault, opts, _progress_bar("convert", args.quiet))
+    seconds = time.perf_counter() - start
+    m = vault.manifest
+    src_bytes = m.source["bytes"]
+    print(
+        f"wrote {vault.path}: {m.num_records} expert records of {format_bytes(m.record.size)}, "
+        f"backbone {format_bytes(m.backbone['bytes'])}, in {seconds:.1f} s "
+        f"({src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source)"
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from smoe.vault.format import Vault
+    from smoe.vault.inspect import render, summary, verify_files
+
+    vault = Vault.open(args.vault)
+    info = summary(vault)
+    bad: list[BadRecord] | None = None
+    files: list[FileCheck] = []
+    if args.verify:
+        files = verify_files(vault)
+        bad = _verify_records(vault, show_bar=not args.quiet and not args.json)
+        info["verify"] = _verify_report(vault, bad, files)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(render(info))
+        _print_verify(vault, bad, files)
+    return 1 if bad or any(f.status == "bad" for f in files) else 0
+
+
+def _verify_records(vault: Vault, show_bar: bool) -> list[BadRecord]:
+    """Every record re-read (smoe.vault.inspect.verify), with a progress bar on stderr."""
+    from smoe.vault.inspect import verify
+
+    bar = None
+    if show_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=vault.manifest.num_records,
+            desc="verify",
+            unit="record",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def tick(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    bad = verify(vault, tick)
+    if bar is not None:
+        bar.close()
+    return bad
+
+
+def _verify_report(vault: Vault, bad: list[BadRecord], files: list[FileCheck]) -> dict[str, Any]:
+    """The "verify" entry of `smoe inspect --verify --json`."""
+    bad_files = [f for f in files if f.status == "bad"]
+    return {
+        "records": vault.manifest.num_records,
+        "bad": [
+            {"layer": b.layer, "expert": b.expert, "index": b.index, "problems": b.problems}
+            for b in bad
+        ],
+        "files": [{"file": f.file, "status": f.status, "message": f.message} for f in files],
+        "ok": not bad and not bad_files,
+    }
+
+
+def _print_verify(vault: Vault, bad: list[BadRecord] | None, files: list[FileCheck]) -> None:
+    """The verify lines of `smoe inspect --verify`: bad files and records, then a verdict
+    (nothing when bad is None: --verify was not given)."""
+    for f in files:
+        print(f"{'BAD file' if f.status == 'bad' else 'verify'}: {f.file} {f.message}")
+    for b in bad or []:
+        what = []
+        if "checksum" in b.problems:
+            what.append(f"checksum {b.actual:x}, expected {b.expected:x}")
+        if b.padding_at is not None:
+            what.append(f"nonzero padding at byte {b.padding_at} of the record")
+        print(
+            f"BAD record: layer {b.layer}, expert {b.expert} (record {b.index}): " + "; ".join(what)
+        )
+    if bad:
+        print(
+            f"verify: {len(bad)} of {vault.manifest.num_records} records are corrupt; "
+            "convert the model again"
+        )
+    elif bad is not None:
+        print(
+            f"verify: all {vault.manifest.num_records} records match their checksums "
+            "and their padding is zero"
+        )
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from smoe.synth import synthesize
+
+    bar = _progress_bar("synth", args.quiet)
+    out = synthesize(
+        Path(args.out),
+        arch=args.arch,
+        preset=args.preset,
+        layers=args.layers,
+        seed=args.seed,
+        dtype=args.dtype,
+        force=args.force,
+        progress=bar,
+    )
+    print(f"wrote checkpoint {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from smoe.vault.export import export_mlx
+    from smoe.vault.format import Vault
+
+    out = export_mlx(Vault.open(args.vault), args.out, force=args.force)
+    print(f"wrote mlx-lm model {out}")
+    return 0
+
+
+def add_convert(sub: Any) -> None:
+    """`smoe convert` and its options."""
+    from smoe.vault.convert import BITS_CHOICES, DTYPE_CHOICES, GROUP_CHOICES
+
+    c = sub.add_parser("convert", help="convert a Hugging Face or MLX checkpoint into a vault")
+    c.add_argument("src", type=Path, help="checkpoint folder (config.json + *.safetensors)")
+    c.add_argument("vault", type=Path, help="vault folder to create")
+    c.add_argument(
+        "--bits",
+        type=int,
+        choices=BITS_CHOICES,
+        default=None,
+        help="expert quantization (default 4; 16 keeps float weights; "
+        "MLX-quantized sources are copied as they are)",
+    )
+    c.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_CHOICES,
+        default=None,
+        help="quantization group size (default 64)",
+    )
+    c.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of float tensors (default: the source's; float32 suits the CPU)",
+    )
+    c.add_argument(
+        "--backbone-bits",
+        type=int,
+        choices=BITS_CHOICES[:-1],
+        default=None,
+        help="also quantize the backbone's linear layers (routers stay float)",
+    )
+    c.add_argument("--backbone-group-size", type=int, choices=GROUP_CHOICES, default=64)
+    c.add_argument("--force", action="store_true", help="replace an existing vault")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_convert)
+
+
+def add_inspect(sub: Any) -> None:
+    """`smoe inspect` and its options."""
+    i = sub.add_parser("inspect", help="describe a vault; --verify re-checks every record")
+    i.add_argument("vault", type=Path)
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every record (checksum, zero padding) and check the backbone's and "
+        "config's checksums (exit 1 if any is bad)",
+    )
+    i.add_argument("--quiet", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+
+def add_synth(sub: Any) -> None:
+    """`smoe synth` and its options."""
+    from smoe.models.registry import ARCHITECTURES
+    from smoe.vault.convert import DTYPE_CHOICES
+
+    # synth's choices are checked by synthesize(): importing it here would load torch.
+    s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")
+    s.add_argument("out", type=Path)
+    s.add_argument(
+        "--arch",
+        default="qwen3_moe",
+        help=f"one of {', '.join(ARCHITECTURES)} (default qwen3_moe)",
+    )
+    s.add_argument(
+        "--preset",
+        default="tiny",
+        help="tiny (default), demo, qwen3-30b-a3b, qwen3-235b-a22b (real expert "
+        "geometry, few layers)",
+    )
+    s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    s.add_argument("--force", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_synth)
+
+
+def add_export(sub: Any) -> None:
+    """`smoe export` and its options."""
+    e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
+    e.add_argument("vault", type=Path)
+    e.add_argument("out", type=Path)
+    e.add_argument("--force", action="store_true")
+    e.set_defaults(func=cmd_export)

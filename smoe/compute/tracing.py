@@ -1,0 +1,154 @@
+"""What streamed MoE layers share beyond their weights, and what they report.
+
+``Tracer`` holds the speculation settings and the model wiring (routers, next layer), the
+routing observers (``TraceObservers``: test hooks, the archive recorder, popularity,
+hints), the state of the pass in progress (``PassState``) and bounded counters
+(``TraceCounters``: the newest ``CALLS_KEPT`` calls, so a server running for days keeps
+no more). Routing served from resident tables is counted after the pass
+(``DeferredRouting``): one small copy, no device sync.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class LayerTrace:
+    """What one streamed MoE call did (for statistics and tests)."""
+
+    layer: int
+    tokens: int
+    unique_experts: int
+    waves: int
+    resident: int = 0  # experts already READY when asked for (computed while misses load)
+
+
+# The newest MoE calls a Tracer keeps (tests and benchmarks read them); a server running
+# for days keeps no more than this.
+CALLS_KEPT = 8192
+
+
+@dataclass
+class TraceCounters:
+    """What the streamed passes did, for tests, benchmarks and the REPL's status line."""
+
+    calls: deque[LayerTrace] = field(default_factory=lambda: deque(maxlen=CALLS_KEPT))
+    unique_experts: int = 0  # distinct experts summed over every (pass, MoE layer)
+    lookahead_hits: int = 0  # experts the lookahead predicted that the layer then used
+    lookahead_total: int = 0  # experts the layers used where a prediction was made
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.lookahead_hits / self.lookahead_total if self.lookahead_total else 0.0
+
+
+@dataclass
+class TraceObservers:
+    """Who is told about routing decisions (each optional)."""
+
+    on_routing: Callable[[int, np.ndarray], None] | None = None  # (layer, indices [T, k])
+    recorder: Any = None  # an ArchiveRecorder while a routing archive is being recorded
+    popularity: Any = None  # a smoe.sched.popularity.Popularity counting demand
+    # Router hints (smoe.sched.hints): after each streamed MoE call, hint(layer, experts)
+    # gets the experts of gate ranks top_k .. hint_depth-1 that no token of it used.
+    hint: Callable[[int, list[int]], None] | None = None
+
+
+@dataclass
+class PassState:
+    """State of the forward pass in progress, set and consumed within it."""
+
+    phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
+    gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
+    predicted: dict[int, set[int]] = field(default_factory=dict)  # lookahead, per layer
+    # Routing of layers served from resident tables, counted after the pass (no sync).
+    deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Tracer:
+    """What the streamed MoE layers share beyond their own weights: the speculation
+    settings and model wiring (fields here), the observers of routing, the state of the
+    pass in progress and the counters, each its own small object."""
+
+    spec: int = 0  # gate-echo bets per layer and decode step (0: off)
+    lookahead: bool = False  # predict layer n+1's experts from layer n's input (decode)
+    hint_depth: int = 0  # gate ranks hinted (observers.hint)
+    first_layer: int = 0  # the first MoE layer: its call starts a new batch in the archive
+    routers: dict[int, Any] = field(default_factory=dict)  # layer -> its router module
+    next_layer: dict[int, int] = field(default_factory=dict)  # MoE layer -> next MoE layer
+    num_experts: int = 0  # routed experts per MoE layer (set by build_model)
+    observers: TraceObservers = field(default_factory=TraceObservers)
+    step: PassState = field(default_factory=PassState)
+    counters: TraceCounters = field(default_factory=TraceCounters)
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.counters.lookahead_recall
+
+    def wants_gates(self) -> bool:
+        """Whether router logits are kept for the host (archives, gate echo, hints)."""
+        o = self.observers
+        return o.recorder is not None or bool(self.spec) or o.hint is not None
+
+    def needs_routing_now(self) -> bool:
+        """Whether a layer's routing must reach the host during the pass (archives,
+        test hooks and gate-echo bets read it there)."""
+        o = self.observers
+        return o.recorder is not None or o.on_routing is not None or bool(self.spec)
+
+    def flush(self) -> None:
+        """Count the deferred routing of the pass just evaluated (popularity, distinct
+        experts, traces); call after each forward pass has been evaluated."""
+        self.count(self.take())
+
+    def take(self) -> DeferredRouting | None:
+        """The routing deferred since the last take (one pass's, when taken after each
+        pass is built), as a lazy per-layer histogram; evaluate ``counts`` with the pass
+        and ``count`` it then: reading it back costs one small copy, no device sync."""
+        deferred, self.step.deferred = self.step.deferred, []
+        if not deferred:
+            return None
+        assert self.num_experts > 0, "build_model sets num_experts"
+        ids = mx.arange(self.num_experts)
+
+        def histogram(flat: mx.array) -> mx.array:  # [..., N] ids -> [..., E] counts
+            return (flat[..., None] == ids).astype(mx.int32).sum(-2)
+
+        if len({i.shape for _, i, _ in deferred}) == 1:  # one pass: one op for all layers
+            hist = histogram(mx.stack([i.reshape(-1) for _, i, _ in deferred]))
+        else:
+            hist = mx.stack([histogram(i.reshape(-1)) for _, i, _ in deferred])
+        rows = [i.size // i.shape[-1] for _, i, _ in deferred]
+        return DeferredRouting([(layer, src) for layer, _, src in deferred], rows, hist)
+
+    def count(self, routing: DeferredRouting | None) -> None:
+        """Count ``routing`` (``take``'s) of a pass that has been evaluated."""
+        if routing is None:
+            return
+        hist = np.array(routing.counts)  # [L, E]
+        if self.observers.popularity is not None:
+            self.observers.popularity.add_counts([layer for layer, _ in routing.layers], hist)
+        unique = (hist > 0).sum(axis=1)
+        for (layer, source), rows, n in zip(
+            routing.layers, routing.rows, unique.tolist(), strict=True
+        ):
+            source.count_resident(n)
+            self.counters.calls.append(LayerTrace(layer, rows, n, 1, n))
+            self.counters.unique_experts += n
+
+
+@dataclass
+class DeferredRouting:
+    """One pass's routing through resident tables, counted once the pass is evaluated."""
+
+    layers: list[tuple[int, Any]]  # (MoE layer, its SlotSource), in pass order
+    rows: list[int]  # tokens routed, per layer
+    counts: mx.array  # [L, E] int32: times each layer chose each expert
