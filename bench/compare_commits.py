@@ -59,9 +59,12 @@ def main() -> int:
     ap.add_argument("old", help="the commit to compare with")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--metric", action="append", required=True, help="dotted path, repeatable")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the smoe arguments")
-    a = ap.parse_args()
-    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.error("give the smoe arguments after --")
+    cut = argv.index("--")
+    a = ap.parse_args(argv[:cut])
+    command = argv[cut + 1 :]
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = Path(tmp) / "old"
         subprocess.run(
