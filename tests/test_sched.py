@@ -328,9 +328,10 @@ async def test_cancel_while_waiting_for_room():
     held = await sched.acquire(0, [1])
     waiter = spawn(sched.acquire(0, [2]))
     await settle()
+    assert sched.waiting_for_room() == 1
     waiter.cancel()
     await settle()
-    assert not sched._room_waiters
+    assert sched.waiting_for_room() == 0
     sched.release(held)
     sched.check_invariants()
     assert await sched.acquire(0, [2])

@@ -205,6 +205,10 @@ class ExpertScheduler:
         """Slots holding a record (READY or LOADING)."""
         return self._table.fill()
 
+    def waiting_for_room(self) -> int:
+        """Requests waiting for a slot to be unpinned (a cancelled one leaves at once)."""
+        return len(self._room_waiters)
+
     def slot_table(self) -> list[tuple[Key | None, SlotState, int]]:
         """(key, state, pins) of every slot, in slot order: a copy, for checks and tools."""
         return self._table.snapshot()

@@ -164,6 +164,7 @@ class SlotTable:
             assert slot.loaded is not None
             futures.append(slot.loaded)
         self._holdings.setdefault(owner, Counter()).update(slots)
+        self.stats.pins += len(slots)
         return slots, futures
 
     def pin_ready(self, keys: Iterable[Key], owner: object) -> list[int] | None:
@@ -178,6 +179,7 @@ class SlotTable:
             assert s is not None
             s.pins += 1
         self._holdings.setdefault(owner, Counter()).update(slots)
+        self.stats.pins += len(slots)
         return slots
 
     def unpin(self, slots: list[int], owner: object) -> bool:
@@ -186,6 +188,7 @@ class SlotTable:
         unpinned. RuntimeError, before anything changes, if a slot would go below zero."""
         # Checked before anything changes, also under python -O (which drops asserts): a
         # negative pin count would let the slot be reused while a request computes on it.
+        self.stats.unpins += len(slots)
         taken = Counter(slots)
         for index, n in taken.items():
             if self.slots[index].pins < n:

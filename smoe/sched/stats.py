@@ -73,6 +73,9 @@ class SchedulerStats:
     promotions: int = 0  # speculative reads that demand caught up with
     speculative_used: int = 0  # speculative loads later demanded (a useful bet)
     hints: int = 0  # resident keys passed to the policy's on_hint (router near misses)
+    pins: int = 0  # slot pins taken (acquire, reserve, a resident lease)
+    unpins: int = 0  # pins given back, counted as asked (before any check): a release
+    # beyond its pins shows up here even where it is refused
     by_priority: dict[Priority, PriorityCounters] = field(
         default_factory=lambda: {p: PriorityCounters() for p in Priority}
     )
