@@ -101,3 +101,8 @@ class ExpertReadError(SmoeError):
         self.cause = cause
         self.path = getattr(cause, "path", None) or getattr(cause, "filename", None)
         self.errno: int | None = getattr(cause, "errno", None)
+
+
+class GroupError(SmoeError):
+    """Expert-parallel ranks disagree or lost one another: a rank opened another vault,
+    died, or its connection broke. The group cannot go on; restart every rank."""

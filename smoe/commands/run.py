@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,17 @@ async def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
-    async with Engine.open(args.vault, **_engine_options(args)) as engine:
+    options = _engine_options(args) | {
+        "distributed": args.distributed,
+        "collective_timeout": args.collective_timeout,
+    }
+    async with Engine.open(args.vault, **options) as engine:
+        quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
+        if engine.ranks is not None and args.temp > 0 and args.seed is None:
+            args.seed = await engine.from_rank0(secrets.randbits(31))  # every rank samples alike
         if args.routing_archive:
             engine.start_recording(args.archive_depth)
-        tokens, text, stats, finish = await _stream_reply(engine, prompt, args)
+        tokens, text, stats, finish = await _stream_reply(engine, prompt, args, quiet)
         stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
         stats["ring_slots"] = engine.ring.num_slots
         stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
@@ -45,12 +53,15 @@ async def _generate(args: argparse.Namespace) -> int:
             archive = engine.stop_recording()  # compressed and fsynced off the event loop
             saved = await anyio.to_thread.run_sync(archive.save, args.routing_archive)
             stats["routing_archive"] = str(saved)
-    _print_generated(tokens, text, stats, finish, as_json=args.json)
+        if engine.ranks is not None:
+            stats["ranks"] = await engine.rank_stats()  # each rank's I/O, gathered
+    if not quiet:
+        _print_generated(tokens, text, stats, finish, as_json=args.json)
     return 0
 
 
 async def _stream_reply(
-    engine: Any, prompt: Any, args: argparse.Namespace
+    engine: Any, prompt: Any, args: argparse.Namespace, quiet: bool = False
 ) -> tuple[list[int], list[str], dict[str, Any], str | None]:
     """Generate with the command's sampling options, printing the text as it comes unless
     --json; return the tokens, the text pieces, the stats and the finish reason."""
@@ -72,7 +83,7 @@ async def _stream_reply(
             tokens.append(event.token)
         if event.text:
             text.append(event.text)
-            if not args.json:
+            if not args.json and not quiet:
                 print(event.text, end="", flush=True)
         if event.stats is not None:
             stats, finish = event.stats.to_json(), event.finish_reason
@@ -292,6 +303,24 @@ def add_generate(sub: Any) -> None:
         help="record every routing decision (with deeper gate ranks) to this .npz",
     )
     g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
+    g.add_argument(
+        "--distributed",
+        nargs="?",
+        const="any",
+        default=None,
+        metavar="BACKEND",
+        help="expert parallelism across the ranks mlx.launch started (docs/distributed.md): "
+        "each rank reads and computes its own experts; rank 0 prints. BACKEND: any (the "
+        "launcher's), ring, mpi, nccl or jaccl",
+    )
+    g.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --distributed: end with an error when a sum over ranks waits longer than "
+        "this for a rank that hangs (default 120)",
+    )
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from smoe.compute.sharded import ExpertShard
 from smoe.compute.speculation import RouterTap
 from smoe.compute.streaming import SlotSource, StreamingExperts
 from smoe.compute.switch import ring_modules
@@ -201,6 +202,7 @@ def build_model(
     compute_dtype: mx.Dtype,
     tracer: Tracer | None = None,
     overlap: bool | None = None,
+    shards: dict[int, ExpertShard] | None = None,
 ) -> nn.Module:
     """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
 
@@ -209,6 +211,8 @@ def build_model(
     The experts compute on the ring's arrays (in the compute dtype on a staged ring; in the
     vault's dtypes on a unified one, which the engine only uses when they agree).
     ``overlap``: compute each expert as its read completes (default: on the CPU only).
+    ``shards``: per MoE layer, this rank's experts and the sum over ranks (expert
+    parallelism, compute/sharded.py); None: this process computes every expert.
     Raises VaultError if the backbone lacks or has extra tensors.
     """
     _check_float_experts(vault, compute_dtype)
@@ -227,8 +231,9 @@ def build_model(
             inners = ring_modules(getattr(parent, attr), banks)
         except ValueError as e:  # a vault no converter of ours writes
             raise VaultError(f"{vault.path}: {e}; convert the model again") from None
+        shard = None if shards is None else shards[spec.layer]
         streaming = StreamingExperts(
-            inners, ring.locate, spec.layer, num_experts, source, tracer, overlap
+            inners, ring.locate, spec.layer, num_experts, source, tracer, overlap, shard
         )
         setattr(parent, attr, streaming)
 

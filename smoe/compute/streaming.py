@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from smoe.compute.sharded import ExpertShard
 from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead
 from smoe.compute.switch import Parts, switch_call
 from smoe.compute.tracing import LayerTrace, Tracer
@@ -109,6 +110,7 @@ class StreamingExperts(nn.Module):
         source: SlotSource,
         tracer: Tracer | None = None,
         overlap: bool = True,
+        shard: ExpertShard | None = None,
     ) -> None:
         super().__init__()
         # overlap: compute each expert as its read completes. Exact only where kernels
@@ -120,6 +122,9 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "_locate", locate)
         object.__setattr__(self, "_source", source)
         object.__setattr__(self, "_tracer", tracer)
+        # Expert parallelism: this rank computes only its experts; the sum over ranks
+        # completes the layer (compute/sharded.py). None: one process computes them all.
+        object.__setattr__(self, "_shard", shard)
         self.layer = layer
         self.num_experts = num_experts
 
@@ -127,6 +132,8 @@ class StreamingExperts(nn.Module):
         """Route -> reserve -> compute -> release, then tell the observers and speculate."""
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)
         tracer = self._tracer
+        if self._shard is not None:
+            return self._call_sharded(x, indices)
         resident = self._source.resident_table(self.layer)
         if resident is not None and not (tracer is not None and tracer.needs_routing_now()):
             # Every expert is resident for good: no reads to schedule, so the routing
@@ -154,6 +161,40 @@ class StreamingExperts(nn.Module):
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, in_ring)
             )
             tracer.counters.unique_experts += len(experts)
+        return y
+
+    def _call_sharded(self, x: mx.array, indices: mx.array) -> mx.array:
+        """This rank's experts of the call, in waves of at most the ring's capacity, the
+        other ranks' (token, rank) rows left at exact zeros; then the sum over ranks.
+        x: [..., D]; indices: [..., k]; returns [..., k, D] on every rank alike."""
+        assert self._shard is not None
+        tracer = self._tracer
+        idx = np.array(indices)  # the same routing on every rank: the same hidden state
+        seen = self._observe(idx) if tracer is not None else _Seen()
+        mine = self._shard.mine(np.unique(idx).tolist())
+        capacity = self._source.capacity()
+        parts = Parts(x, idx)
+        waves = 0
+        for start in range(0, len(mine), capacity):
+            wave = mine[start : start + capacity]
+            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, parts.sorted))
+            waves += 1
+        y = (
+            parts.result()
+            if parts.out is not None
+            else mx.zeros((*idx.shape, x.shape[-1]), x.dtype)
+        )
+        try:
+            y = self._shard.reduce(y)
+            mx.eval(y)
+        except RuntimeError as e:  # the sum over ranks failed: a peer died or hung up
+            raise self._shard.broken(e) from None
+        if tracer is not None:
+            self._after(tracer, x, idx, seen)
+            tracer.counters.calls.append(
+                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(mine), waves, 0)
+            )
+            tracer.counters.unique_experts += len(mine)
         return y
 
     def _observe(self, idx: np.ndarray) -> _Seen:

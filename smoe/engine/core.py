@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.options import EngineOptions
+from smoe.engine.ranks import Ranks, io_by_rank
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.errors import SmoeError
@@ -34,6 +36,7 @@ from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
+from smoe.parallel.watchdog import Watchdog
 from smoe.sched.hints import split_policy_name
 from smoe.sched.policy import PinnedHot
 from smoe.sched.popularity import Popularity
@@ -53,6 +56,9 @@ class Engine:
         self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
         self._lock = asyncio.Lock()  # one job at a time on the compute thread
         self._opened = False
+        # Expert parallelism (options.distributed): this process's place among the ranks;
+        # None when one process computes every expert.
+        self.ranks: Ranks | None = None
 
     @classmethod
     def open(
@@ -73,6 +79,8 @@ class Engine:
         await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
         try:
+            if self.options.distributed is not None:
+                plan = await self._join_group(plan)
             self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
             self._start_io()
             self._wire_to_loop(asyncio.get_running_loop())
@@ -113,13 +121,25 @@ class Engine:
             max_context=o.max_context,
         )
 
+    async def _join_group(self, plan: RingPlan) -> RingPlan:
+        """Join the expert-parallel ranks (engine/ranks.py); this rank's ring holds its own
+        experts at most."""
+        assert self.options.distributed is not None
+        self.popularity = Popularity(self.vault)
+        watchdog = Watchdog(self.options.collective_timeout)
+        self.ranks = await Ranks.join(
+            self.compute, self.vault, self.options.distributed, self.popularity.counts, watchdog
+        )
+        return dataclasses.replace(plan, slots=self.ranks.ring_slots(plan.slots))
+
     def _start_io(self) -> None:
         """The I/O workers, the popularity counts and the scheduler over the ring."""
         m, o = self.vault.manifest, self.options
         self.reader = DirectReader(
             self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
         )
-        self.popularity = Popularity(self.vault)
+        if not hasattr(self, "popularity"):
+            self.popularity = Popularity(self.vault)
         self.tracer.observers.popularity = self.popularity
         base, _ = split_policy_name(o.policy)
         policy: Any = base
@@ -148,7 +168,11 @@ class Engine:
             self.tracer.observers.hint = lambda layer, experts: loop.call_soon_threadsafe(
                 self.scheduler.hint, layer, experts
             )
+        # A ring holding every expert serves layers from device tables; not across ranks,
+        # where each layer computes this rank's experts only.
         every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
+        if self.ranks is not None:
+            every_key = None
         self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
         self._commit_queued = False
         if self.ring.kind == "staged":
@@ -218,7 +242,8 @@ class Engine:
         from smoe.compute.rowwise import install_rowwise_attention
 
         mx.set_default_device(self._device)  # the compute thread's MLX work
-        model = build_model(self.vault, self.ring, self.slots, self.dtype, self.tracer)
+        source, shards = (self.slots, None) if self.ranks is None else self.ranks.shards(self.slots)
+        model = build_model(self.vault, self.ring, source, self.dtype, self.tracer, shards=shards)
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
         layers = len(self.vault.manifest.layers)
         return Runner(
@@ -253,6 +278,8 @@ class Engine:
             await self.batcher.close()
         if hasattr(self, "compute"):
             await self.compute.close()
+        if self.ranks is not None:
+            self.ranks.watchdog.close()
         if hasattr(self, "ring"):
             self.ring.close()  # a read waiting for a landing buffer gives up
         if hasattr(self, "scheduler"):
@@ -281,7 +308,7 @@ class Engine:
         wanted = [
             k
             for k in self.popularity.hottest(self.scheduler.num_slots)
-            if self.scheduler.slot_of(k) is None
+            if self.scheduler.slot_of(k) is None and (self.ranks is None or self.ranks.owns(*k))
         ][:free]
         by_layer: dict[int, list[int]] = {}
         for layer, expert in wanted:
@@ -327,6 +354,29 @@ class Engine:
                 "record_bytes": self.vault.manifest.record.stride,
             }
         )
+
+    # ---------------------------------------------------------------- expert parallelism
+    async def from_rank0(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
+        every rank calls it at the same point. GroupError if the group broke."""
+        if self.ranks is None:
+            return value
+        async with self._lock:
+            return await self.ranks.from_rank0(value)
+
+    async def rank_stats(self) -> list[dict[str, Any]]:
+        """Each rank's I/O so far, in rank order (this process's alone without ranks):
+        experts owned, hit rate, bytes read, seconds waiting for reads. A collective, as
+        ``from_rank0``."""
+        s, m = self.scheduler.stats, self.vault.manifest
+        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6)]
+        if self.ranks is None:
+            rows = np.array([mine])
+        else:
+            async with self._lock:
+                rows = await self.ranks.gather(mine)
+        owned = [m.num_records] if self.ranks is None else self.ranks.owned_counts()
+        return io_by_rank(rows, owned)
 
     # ---------------------------------------------------------------- API
     def check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
@@ -413,6 +463,11 @@ class Engine:
         ``generate``; leaving the iteration early takes the request out of the batch.
         Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt."""
         ids = self.check_prompt(prompt, extra=max_tokens)
+        if self.ranks is not None and params.temperature > 0 and params.seed is None:
+            raise SmoeError(
+                "ranks sample the same tokens only from the same seed: give a seed "
+                "(smoe generate --seed N) or sample greedily"
+            )
 
         def prepare() -> Sequence_:  # compute thread
             seq, run = self.point(sequence, ids, params)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smoe.errors import SmoeError
+from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
@@ -30,6 +31,10 @@ class EngineOptions:
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
     ring: str = "auto"  # "unified", "staged" or "auto" (smoe.engine.ring_plan)
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
+    # Expert parallelism over mx.distributed (docs/distributed.md): the backend to join the
+    # ranks with ("any", "ring", "mpi", "nccl", "jaccl"); None: this process alone.
+    distributed: str | None = None
+    collective_timeout: float = 120.0  # seconds a sum over ranks may wait before giving up
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self, top_k: int, num_experts: int) -> None:
@@ -52,6 +57,13 @@ class EngineOptions:
             raise SmoeError(f"device must be cpu or gpu, not {self.device!r}")
         if self.ring not in ("auto", "unified", "staged"):
             raise SmoeError(f"ring must be auto, unified or staged, not {self.ring!r}")
+        if self.distributed is not None and self.distributed not in DISTRIBUTED_BACKENDS:
+            raise SmoeError(
+                f"unknown distributed backend {self.distributed!r}; use one of "
+                f"{', '.join(DISTRIBUTED_BACKENDS)}"
+            )
+        if not self.collective_timeout > 0:
+            raise SmoeError("collective_timeout must be positive (seconds)")
         if not 0 <= self.spec <= num_experts - top_k:
             raise SmoeError(
                 f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "

@@ -1,0 +1,269 @@
+"""Expert parallelism over mx.distributed (docs/distributed.md).
+
+Two ranks run as two local processes on MLX's ring backend over loopback, each with a
+ring smaller than half the experts. They must give the single process's logits and
+tokens, and mlx-lm's in memory, bit for bit; a rank killed mid-generation must give a
+clean one-line error on rank 0 within a bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smoe.engine import Engine
+from smoe.errors import SmoeError
+from smoe.parallel.assignment import ExpertAssignment
+from smoe.parallel.watchdog import Watchdog
+from smoe.vault.convert import ConvertOptions, convert
+from tests.conftest import tiny_vault
+from tests.test_engine_exact import (
+    _prompt,
+    engine_decode,
+    engine_generate,
+    reference_decode,
+    reference_logits,
+    reference_model,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+# --------------------------------------------------------------------------- assignment
+def test_every_expert_has_one_owner_and_the_split_is_even_without_history():
+    a = ExpertAssignment.balanced([1, 3, 5], experts=10, ranks=3)
+    assert a.owners.shape == (3, 10)
+    keys = [a.owned_keys(r) for r in range(3)]
+    assert sorted(k for ks in keys for k in ks) == [
+        (layer, e) for layer in (1, 3, 5) for e in range(10)
+    ]
+    assert [len(k) for k in keys] == [12, 9, 9]  # e mod 3: 4, 3, 3 of each layer's 10
+    assert a.owns(1, 3, 4) and not a.owns(0, 3, 4)
+    assert a.owned(2, 5).tolist() == [e % 3 == 2 for e in range(10)]
+
+
+def test_popularity_balances_each_layers_expected_work():
+    """Greedy largest-first: a layer whose two hottest experts are ids 0 and 2 (both even)
+    splits them across the ranks, where e mod 2 would give both to rank 0."""
+    counts = np.array([[100, 1, 90, 1, 5, 5, 5, 5]], dtype=np.float64)
+    a = ExpertAssignment.balanced([0], experts=8, ranks=2, popularity=counts)
+    load = [counts[0][a.owned(r, 0)].sum() for r in range(2)]
+    assert max(load) - min(load) <= 10  # 107 against 105
+    plain = ExpertAssignment.balanced([0], experts=8, ranks=2)
+    assert max(counts[0][plain.owned(r, 0)].sum() for r in range(2)) == 200
+    again = ExpertAssignment.balanced([0], experts=8, ranks=2, popularity=counts.copy())
+    assert np.array_equal(a.owners, again.owners) and a.fingerprint() == again.fingerprint()
+
+
+def test_a_changed_owner_changes_the_fingerprint_and_bad_assignments_are_refused():
+    a = ExpertAssignment.balanced([0, 1], experts=4, ranks=2)
+    owners = a.owners.copy()
+    owners[1, 3] = 0
+    assert ExpertAssignment(a.layers, owners, 2).fingerprint() != a.fingerprint()
+    with pytest.raises(SmoeError, match="outside"):
+        ExpertAssignment(a.layers, owners + 5, 2)
+    with pytest.raises(SmoeError, match="at least one rank"):
+        ExpertAssignment.balanced([0], experts=4, ranks=0)
+
+
+def test_the_watchdog_fires_once_when_a_collective_waits_too_long():
+    """A controlled clock: no sleeps. Blocks shorter than the timeout never fire."""
+    now = [0.0]
+    said: list[str] = []
+    dog = Watchdog(10.0, on_hang=said.append, clock=lambda: now[0])
+    with dog.watch("a quick sum"):
+        now[0] += 9.0
+        assert not dog.check()
+    now[0] += 100.0  # nothing in progress: nothing to fire about
+    assert not dog.check() and said == []
+    with dog.watch("a layer's sum"):
+        now[0] += 10.5
+        assert dog.check() and dog.check()
+    dog.close()
+    assert len(said) == 1 and "a layer's sum waited more than 10 s" in said[0]
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.fixture(scope="module")
+def vault(tmp_path_factory):
+    return tiny_vault(tmp_path_factory.mktemp("dist"), seed=11)
+
+
+@pytest.mark.asyncio
+async def test_a_group_of_one_computes_what_the_plain_engine_does(vault):
+    """The sharded path (every expert owned, the sum an identity) on the same bits."""
+    prompt = _prompt(40, seed=4)
+    async with Engine.open(vault.path, slots=6) as engine:
+        want = await engine.logits(prompt)
+        want_tokens = await engine_generate(engine, prompt, 6)
+    async with Engine.open(vault.path, slots=6, distributed="any") as engine:
+        assert engine.ranks is not None and engine.ranks.size == 1
+        assert np.array_equal(await engine.logits(prompt), want)
+        assert await engine_generate(engine, prompt, 6) == want_tokens
+        io = await engine.rank_stats()
+        assert [r["rank"] for r in io] == [0] and io[0][
+            "experts_owned"
+        ] == vault.manifest.num_records
+        with pytest.raises(SmoeError, match="seed"):
+            async for _ in engine.generate(prompt, max_tokens=2, temperature=0.7):
+                pass
+
+
+def test_an_unknown_backend_is_refused_before_anything_starts(vault):
+    with pytest.raises(SmoeError, match="unknown distributed backend 'carrier-pigeon'"):
+        Engine.open(vault.path, distributed="carrier-pigeon").options.check(2, 8)
+
+
+# --------------------------------------------------------------------------- two ranks
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_ranks(argv: list[str], tmp: Path, ranks: int = 2) -> list[subprocess.Popen[str]]:
+    """``argv`` once per rank on MLX's ring backend over loopback, as mlx.launch starts
+    them (MLX_RANK and a hostfile of one address per rank)."""
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+    env = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=str(ROOT))
+    return [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            env=env | {"MLX_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung") from None
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert
+@pytest.mark.asyncio
+async def test_two_ranks_give_the_bits_of_one_process_and_of_mlx_lm(arch, hf_dir, tmp_path):
+    vault = convert(hf_dir(arch), tmp_path / "v", ConvertOptions(dtype="float32"))
+    ref = reference_model(vault, tmp_path / "mlx")
+    prompt = _prompt(70, seed=2)
+    ref_tokens, ref_steps = reference_decode(ref, prompt, STEPS)
+    slots = vault.manifest.num_records // 4  # per rank: under half of all experts
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["-m", "tests.distributed_worker", str(vault.path), str(out), str(slots)]
+    argv += [",".join(map(str, prompt)), str(STEPS), ",".join(map(str, ref_tokens))]
+    procs = start_ranks(argv, tmp_path)
+    async with Engine.open(vault.path, slots=slots) as engine:  # meanwhile: one process
+        solo = await engine.logits(prompt)
+        solo_steps, _ = await engine_decode(engine, prompt, ref_tokens)
+        solo_tokens = await engine_generate(engine, prompt, STEPS)
+    for rc, _, stderr in finish(procs, timeout=300):
+        assert rc == 0, stderr[-3000:]
+    assert solo_tokens == ref_tokens
+    for rank in range(2):
+        got = np.load(out / f"rank{rank}.npz")
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        assert report["size"] == 2 and report["ring_slots"] == slots
+        assert np.array_equal(got["logits"], solo)
+        assert np.array_equal(got["logits"], reference_logits(ref, prompt))
+        for i, (a, b, c) in enumerate(zip(got["steps"], solo_steps, ref_steps, strict=True)):
+            assert np.array_equal(a, b) and np.array_equal(a, c), f"rank {rank}, step {i}"
+        assert report["picks"] == report["tokens"] == ref_tokens
+        full = prompt + ref_tokens
+        assert np.array_equal(got["full"], reference_logits(ref, full))
+        owned = report["owned"]
+        assert sum(owned) == vault.manifest.num_records and slots < owned[rank]
+    io = json.loads((out / "rank0.json").read_text())["io"]
+    assert [r["rank"] for r in io] == [0, 1] and all(r["bytes_read"] > 0 for r in io)
+
+
+def test_smoe_generate_under_mlx_launch_prints_once_the_single_process_tokens(vault, tmp_path):
+    """The user's way in: mlx.launch starts both ranks; rank 0 prints one JSON object."""
+    launch = Path(sys.executable).parent / "mlx.launch"
+    if not launch.exists():
+        pytest.skip("mlx.launch is not installed beside this Python")
+    args = ["generate", str(vault.path), "--prompt-ids", "5,6,7,8", "--max-tokens", "8"]
+    args += ["--slots", "6", "--json", "--temp", "0.8", "--seed", "3"]
+    solo = subprocess.run(
+        [sys.executable, "-m", "smoe.cli", *args], capture_output=True, text=True, cwd=ROOT
+    )
+    assert solo.returncode == 0, solo.stderr
+    ports = _free_ports(1)[0]
+    both = subprocess.run(
+        [str(launch), "-n", "2", "--backend", "ring", "-p", str(ports), "--"]
+        + [sys.executable, "-m", "smoe.cli", *args, "--distributed"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert both.returncode == 0, both.stderr[-3000:]
+    printed = [json.loads(line) for line in both.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1  # rank 0 alone talks to the user
+    assert printed[0]["tokens"] == json.loads(solo.stdout)["tokens"]
+    assert [r["rank"] for r in printed[0]["stats"]["ranks"]] == [0, 1]
+
+
+def test_a_killed_rank_ends_the_group_with_one_line_on_rank_0(vault, tmp_path):
+    args = ["-m", "smoe.cli", "generate", str(vault.path), "--prompt-ids", "5,6,7"]
+    args += ["--max-tokens", "4000", "--slots", "6", "--distributed", "ring"]
+    rank0, rank1 = start_ranks(args, tmp_path)
+    assert rank0.stdout is not None
+    rank0.stdout.read(1)  # rank 0 is printing tokens: the ranks are mid-generation
+    rank1.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    (rc, _, stderr), _ = finish([rank0, rank1], timeout=60)
+    assert time.monotonic() - started < 60
+    assert rc == 2, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "group broke" in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def test_a_hung_rank_ends_the_group_after_the_collective_timeout(vault, tmp_path):
+    """A stopped rank keeps its sockets open, so no backend notices: the watchdog does."""
+    args = ["-m", "smoe.cli", "generate", str(vault.path), "--prompt-ids", "5,6,7"]
+    args += ["--max-tokens", "4000", "--slots", "6", "--distributed", "ring"]
+    args += ["--collective-timeout", "3"]
+    rank0, rank1 = start_ranks(args, tmp_path)
+    assert rank0.stdout is not None
+    rank0.stdout.read(1)
+    rank1.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        rc = rank0.wait(timeout=60)
+    finally:
+        rank1.kill()
+    stderr = rank0.stderr.read() if rank0.stderr is not None else ""
+    assert rc == 2 and time.monotonic() - started < 30, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "waited more than 3 s" in lines[0], stderr[-3000:]
+    finish([rank0, rank1], timeout=30)
