@@ -15,7 +15,7 @@ from typing import Any
 
 from smoe.commands.bench import add_bench
 from smoe.commands.run import add_chat, add_generate, add_serve
-from smoe.commands.vault import add_convert, add_export, add_inspect, add_synth
+from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard, add_synth
 from smoe.errors import SmoeError
 
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_bench(sub)
     add_export(sub)
+    add_shard(sub)
     return p
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -137,13 +138,14 @@ def _free_ports(n: int) -> list[int]:
 
 def start_ranks(argv: list[str], tmp: Path, ranks: int = 2) -> list[subprocess.Popen[str]]:
     """``argv`` once per rank on MLX's ring backend over loopback, as mlx.launch starts
-    them (MLX_RANK and a hostfile of one address per rank)."""
+    them (MLX_RANK and a hostfile of one address per rank); "{rank}" in an argument
+    becomes the rank."""
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
     env = dict(os.environ, MLX_HOSTFILE=str(hostfile), PYTHONPATH=str(ROOT))
     return [
         subprocess.Popen(
-            [sys.executable, *argv],
+            [sys.executable, *(a.replace("{rank}", str(r)) for a in argv)],
             cwd=ROOT,
             env=env | {"MLX_RANK": str(r)},
             stdout=subprocess.PIPE,
@@ -267,3 +269,115 @@ def test_a_hung_rank_ends_the_group_after_the_collective_timeout(vault, tmp_path
     lines = [line for line in stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "waited more than 3 s" in lines[0], stderr[-3000:]
     finish([rank0, rank1], timeout=30)
+
+
+# --------------------------------------------------------------------------- shards
+@pytest.fixture(scope="module")
+def shards(vault, tmp_path_factory):
+    from smoe.parallel.cut import cut_shard
+
+    root = tmp_path_factory.mktemp("shards")
+    return [cut_shard(vault.path, root / f"rank{r}", ranks=2, rank=r) for r in range(2)]
+
+
+def test_a_shard_holds_its_ranks_records_byte_for_byte(vault, shards, run_cli):
+    m = vault.manifest
+    stride = m.record.stride
+    full = vault.experts_path.read_bytes()
+    keys = []
+    for r, shard in enumerate(shards):
+        s = shard.manifest
+        assert s.shard is not None and (s.shard.rank, s.shard.ranks) == (r, 2)
+        assert s.identity() == m.identity() and s.num_records == len(s.shard.keys)
+        data = shard.experts_path.read_bytes()
+        assert len(data) == s.num_records * stride
+        for i, key in enumerate(s.shard.keys):
+            at = m.record_index(*key)
+            assert data[i * stride : (i + 1) * stride] == full[at * stride : (at + 1) * stride]
+            assert s.checksums[i] == m.checksums[at] and s.record_index(*key) == i
+        keys += list(s.shard.keys)
+        code, out, _ = run_cli("inspect", str(shard.path), "--verify")
+        assert code == 0, out
+    assert sorted(keys) == sorted(m.record_key(i) for i in range(m.num_records))
+    other = shards[1].manifest.shard.keys[0]
+    with pytest.raises(IndexError, match="not in this shard"):
+        shards[0].manifest.record_index(*other)
+
+
+def test_bad_shard_requests_and_entries_are_one_line_errors(vault, shards, tmp_path, run_cli):
+    from smoe.vault.format import Vault
+    from smoe.vault.manifest import sign_manifest
+
+    for args, said in [
+        (["--ranks", "2", "--rank", "2"], "--rank 0..ranks-1"),
+        (["--ranks", "0", "--rank", "0"], "--ranks 1.."),
+    ]:
+        code, _, err = run_cli("shard", str(vault.path), str(tmp_path / "x"), *args)
+        assert code == 2 and said in err
+    code, _, err = run_cli(
+        "shard", str(shards[0].path), str(tmp_path / "y"), "--ranks", "2", "--rank", "0"
+    )
+    assert code == 2 and "already a shard" in err
+    code, _, err = run_cli(
+        "shard", str(vault.path), str(shards[1].path), "--ranks", "2", "--rank", "1"
+    )
+    assert code == 2 and "--force" in err
+    code, _, err = run_cli("export", str(shards[0].path), str(tmp_path / "mlx"))
+    assert code == 2 and "is a shard" in err
+    raw = json.loads((shards[0].path / "manifest.json").read_text())
+    for edit, said in [  # each re-signed: only the validation can refuse it
+        (lambda d: d["shard"].update(rank=5), "shard.rank"),
+        (lambda d: d["shard"]["owners"].pop(), "shard.owners"),
+        (lambda d: d["shard"]["owners"][0].__setitem__(0, 7), "shard.owners[0][0]"),
+        (
+            lambda d: d["shard"]["owners"][0].__setitem__(0, 1 - d["shard"]["owners"][0][0]),
+            "the shard holds",
+        ),
+    ]:
+        bad = tmp_path / f"bad{len(said)}"
+        if bad.exists():
+            continue
+        import shutil
+
+        shutil.copytree(shards[0].path, bad)
+        d = json.loads(json.dumps(raw))
+        edit(d)
+        (bad / "manifest.json").write_text(
+            json.dumps(sign_manifest({k: v for k, v in d.items() if k != "manifest_checksum"}))
+        )
+        with pytest.raises(SmoeError, match=re.escape(said)):
+            Vault.open(bad)
+
+
+def test_two_ranks_on_their_shards_compute_the_full_vaults_bits(vault, shards, tmp_path):
+    prompt = _prompt(40, seed=6)
+    out = tmp_path / "out"
+    out.mkdir()
+    root = shards[0].path.parent
+    argv = ["-m", "tests.distributed_worker", str(root / "rank{rank}"), str(out), "4"]
+    argv += [",".join(map(str, prompt)), "6", ",".join(["5"] * 6)]
+    procs = start_ranks(argv, tmp_path)
+    for rc, _, stderr in finish(procs, timeout=300):
+        assert rc == 0, stderr[-3000:]
+
+    async def solo():
+        async with Engine.open(vault.path, slots=4) as engine:
+            return await engine.logits(prompt), await engine_generate(engine, prompt, 6)
+
+    from smoe.util.loop import run
+
+    want, tokens = run(solo())
+    for rank in range(2):
+        got = np.load(out / f"rank{rank}.npz")
+        assert np.array_equal(got["logits"], want)
+        assert json.loads((out / f"rank{rank}.json").read_text())["tokens"] == tokens
+
+
+def test_a_rank_given_another_ranks_shard_is_refused_on_every_rank(shards, tmp_path):
+    root = shards[0].path.parent
+    args = ["-m", "smoe.cli", "generate", str(root / "rank{rank}"), "--prompt-ids", "5,6"]
+    swapped = start_ranks(
+        [a.replace("rank{rank}", "rank1") for a in args] + ["--distributed"], tmp_path
+    )
+    for rc, _, stderr in finish(swapped, timeout=120):
+        assert rc == 2 and "opened the shard cut for rank 1 of 2" in stderr, stderr[-2000:]

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from smoe.errors import SmoeError
+
 if TYPE_CHECKING:
     from smoe.vault.format import Vault
     from smoe.vault.inspect import BadRecord, FileCheck
@@ -175,9 +177,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     from smoe.vault.export import export_mlx
     from smoe.vault.format import Vault
 
-    out = export_mlx(Vault.open(args.vault), args.out, force=args.force)
+    vault = Vault.open(args.vault)
+    if vault.manifest.shard is not None:
+        raise SmoeError(f"{vault.path} is a shard (some experts only); export the full vault")
+    out = export_mlx(vault, args.out, force=args.force)
     print(f"wrote mlx-lm model {out}")
     return 0
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    from smoe.parallel.cut import cut_shard
+    from smoe.util.sizes import format_bytes
+
+    bar = _progress_bar(f"shard {args.rank} of {args.ranks}", args.quiet)
+    shard = cut_shard(
+        args.vault,
+        args.out,
+        args.ranks,
+        args.rank,
+        force=args.force,
+        progress=None if bar is None else lambda done, total: bar("records", done, total),
+    )
+    m = shard.manifest
+    print(
+        f"wrote {shard.path}: rank {args.rank} of {args.ranks}, {m.num_records} expert records "
+        f"({format_bytes(m.experts_bytes)}) and the backbone"
+    )
+    return 0
+
+
+def add_shard(sub: Any) -> None:
+    """`smoe shard` and its options."""
+    s = sub.add_parser(
+        "shard",
+        help="cut the vault of one expert-parallel rank: its experts and the backbone",
+    )
+    s.add_argument("vault", type=Path, help="the full vault")
+    s.add_argument("out", type=Path, help="where the shard goes")
+    s.add_argument("--ranks", type=int, required=True, help="ranks in the group")
+    s.add_argument("--rank", type=int, required=True, help="the rank this shard is for")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_shard)
 
 
 def add_convert(sub: Any) -> None:

@@ -366,10 +366,12 @@ class Engine:
 
     async def rank_stats(self) -> list[dict[str, Any]]:
         """Each rank's I/O so far, in rank order (this process's alone without ranks):
-        experts owned, hit rate, bytes read, seconds waiting for reads. A collective, as
-        ``from_rank0``."""
+        experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
+        over ranks with their seconds. A collective, as ``from_rank0``."""
         s, m = self.scheduler.stats, self.vault.manifest
-        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6)]
+        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0]
+        if self.ranks is not None:
+            mine[4:] = [self.ranks.sums, int(self.ranks.sum_seconds * 1e6)]
         if self.ranks is None:
             rows = np.array([mine])
         else:

@@ -13,18 +13,18 @@ collective that fails (a peer died) is a GroupError.
 
 from __future__ import annotations
 
-import zlib
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from smoe.compute.sharded import ExpertShard, ShardedSlots
+from smoe.errors import GroupError
 from smoe.parallel.assignment import ExpertAssignment
 from smoe.parallel.group import RankGroup, lost
 from smoe.parallel.watchdog import Watchdog
 from smoe.vault.format import Vault
-from smoe.vault.names import MANIFEST
 
 
 class Ranks:
@@ -41,6 +41,8 @@ class Ranks:
         self.assignment = assignment
         self.watchdog = watchdog  # ends a collective that waits forever on a hung rank
         self._compute = compute  # the engine's ComputeThread
+        self.sums = 0  # layer sums over ranks run, and the seconds they took (waits included)
+        self.sum_seconds = 0.0
 
     @property
     def rank(self) -> int:
@@ -54,25 +56,26 @@ class Ranks:
     async def join(
         cls, compute: Any, vault: Vault, backend: str, popularity: np.ndarray, watchdog: Watchdog
     ) -> Ranks:
-        """Join over ``backend``; GroupError if a rank opened another vault or the group
-        broke, SmoeError if no group can start (the message names mlx.launch).
-        ``watchdog`` times every collective from here on."""
+        """Join over ``backend``; GroupError if the ranks opened different vaults or
+        shards of different cuts, a shard of another rank, or the group broke; SmoeError if
+        no group can start (the message names mlx.launch). ``watchdog`` times every
+        collective from here on."""
         m = vault.manifest
         group = await compute.run(RankGroup.join, backend)
         watched = _Watched(compute, watchdog)
-        manifest = (vault.path / MANIFEST).read_bytes()  # small: checked when opened
-        await _collective(
-            watched,
-            group.agree,
-            [zlib.crc32(manifest) & 0x7FFFFFFF, m.num_records],
-            "vault",
-            "give every rank a copy of the same vault",
-        )
-        layers = [spec.layer for spec in m.layers]
-        mine = ExpertAssignment.balanced(layers, m.num_experts, group.size, popularity)
-        owners = await _collective(watched, group.from_rank0, mine.owners)
-        assignment = ExpertAssignment(tuple(layers), owners.astype(np.int32), group.size)
-        return cls(group, assignment, compute, watchdog)
+        layers = tuple(spec.layer for spec in m.layers)
+        shard = m.shard
+        mine = None
+        if shard is not None:
+            mine = ExpertAssignment(layers, np.array(shard.owners, dtype=np.int32), shard.ranks)
+        facts = [m.identity(), int(shard is not None), 0 if mine is None else mine.fingerprint()]
+        facts += [-1, -1] if shard is None else [shard.rank, shard.ranks]
+        check_vaults(await _collective(watched, group.gather, facts), group.size)
+        if mine is None:  # full vaults: rank 0's assignment, balanced by its history
+            mine = ExpertAssignment.balanced(list(layers), m.num_experts, group.size, popularity)
+            owners = await _collective(watched, group.from_rank0, mine.owners)
+            mine = ExpertAssignment(layers, owners.astype(np.int32), group.size)
+        return cls(group, mine, compute, watchdog)
 
     def ring_slots(self, planned: int) -> int:
         """A ring for this rank's experts at most: slots beyond them would stay empty."""
@@ -92,9 +95,12 @@ class Ranks:
         """Compute thread: a layer's sum over ranks, evaluated, under the watchdog."""
         import mlx.core as mx
 
+        start = time.perf_counter()
         with self.watchdog.watch("the sum of a MoE layer's expert outputs"):
             y = self.group.all_sum(y)
             mx.eval(y)
+        self.sums += 1
+        self.sum_seconds += time.perf_counter() - start
         return y
 
     def owned_counts(self) -> list[int]:
@@ -114,10 +120,33 @@ class Ranks:
         return np.asarray(await _collective(watched, self.group.gather, values))
 
 
+def check_vaults(facts: np.ndarray, size: int) -> None:
+    """Every rank's [vault identity, is a shard, cut's fingerprint, shard's rank, shard's
+    ranks], checked alike on every rank: GroupError naming the first rank that differs."""
+    first = facts[0].tolist()
+    for r, row in enumerate(facts.tolist()):
+        if row[0] != first[0]:
+            raise GroupError(
+                f"rank {r} opened another model than rank 0; give every rank the same vault "
+                "(or shards cut from it with smoe shard)"
+            )
+        if row[1] != first[1] or row[2] != first[2]:
+            raise GroupError(
+                f"rank {r} and rank 0 opened shards of different cuts (or a shard and a full "
+                f"vault); cut every rank's shard with the same 'smoe shard --ranks {size}'"
+            )
+        if row[1] and (row[3] != r or row[4] != size):
+            raise GroupError(
+                f"rank {r} of {size} opened the shard cut for rank {row[3]} of {row[4]}; give "
+                f"it the shard cut with 'smoe shard VAULT OUT --ranks {size} --rank {r}'"
+            )
+
+
 def io_by_rank(rows: np.ndarray, owned: list[int]) -> list[dict[str, Any]]:
-    """Rows of [hits, misses, bytes read, microseconds waiting] per rank, as reported."""
+    """Rows of [hits, misses, bytes read, microseconds waiting for reads, sums over ranks,
+    microseconds in them] per rank, as reported."""
     out = []
-    for rank, (hits, misses, read, wait_us) in enumerate(rows.tolist()):
+    for rank, (hits, misses, read, wait_us, sums, sum_us) in enumerate(rows.tolist()):
         out.append(
             {
                 "rank": rank,
@@ -125,6 +154,8 @@ def io_by_rank(rows: np.ndarray, owned: list[int]) -> list[dict[str, Any]]:
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                 "bytes_read": read,
                 "io_wait_s": wait_us / 1e6,
+                "collectives": sums,
+                "collective_s": sum_us / 1e6,
             }
         )
     return out

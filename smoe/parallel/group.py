@@ -6,8 +6,7 @@ that order by running the same forward passes on every rank.
 
 - ``join``: the group ``mlx.launch`` (or MPI) started this process in; one rank alone
   when started without it and ``backend`` is "any".
-- ``agree``: every rank holds the same integers (the vault, the assignment), or a
-  GroupError naming the first rank that differs; ``gather``: every rank's integers.
+- ``gather``: every rank's integers (what each opened, its I/O), on every rank.
 - ``from_rank0``: rank 0's array on every rank (a sum to which the others add zeros).
 - ``all_sum``: the expert outputs, each entry computed on exactly one rank, the others
   adding exact zeros, so the sum is that rank's value, bit for bit.
@@ -48,14 +47,6 @@ class RankGroup:
                 "with mlx.launch, e.g. 'mlx.launch -n 2 --backend ring -- smoe generate ...'"
             ) from None
         return cls(group)
-
-    def agree(self, values: list[int], what: str, fix: str) -> None:
-        """Check that every rank holds the same ``values`` (small non-negative ints);
-        SmoeError naming ``what`` and the first rank that differs, with ``fix``."""
-        every = self.gather(values)
-        for r in range(self.size):
-            if not np.array_equal(every[r], every[0]):
-                raise GroupError(f"rank {r} has another {what} than rank 0; {fix}")
 
     def gather(self, values: list[int]) -> np.ndarray:
         """[size, n] int64: every rank's ``values``, in rank order, on every rank."""

@@ -24,6 +24,7 @@ from smoe.vault.integrity import CHECKSUM_BITS, DEFAULT_ALGORITHM, HASHES, diges
 from smoe.vault.layout import RecordLayout
 from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE, EXPERTS_FILE, MANIFEST
 from smoe.vault.packing import FLOAT_DTYPES, PROJECTIONS, Packing, projection_packing, quant_entry
+from smoe.vault.shard import Shard
 
 FORMAT = "smoe-vault"
 VERSION = 1
@@ -93,6 +94,8 @@ class Manifest:
     version: int = VERSION
     # config.json's {"file", "checksum"}; empty in vaults made before it was recorded.
     config: dict[str, Any] = field(default_factory=dict)
+    # A shard (smoe/vault/shard.py) holds only one rank's expert records; None: all of them.
+    shard: Shard | None = None
 
     @functools.cached_property
     def shape(self) -> Topology:
@@ -103,6 +106,8 @@ class Manifest:
 
     @property
     def num_records(self) -> int:
+        if self.shard is not None:
+            return len(self.shard.keys)
         return len(self.layers) * self.num_experts
 
     @property
@@ -110,9 +115,18 @@ class Manifest:
         return self.num_records * self.record.stride
 
     def record_index(self, layer: int, expert: int) -> int:
-        """Records are layer-major: all experts of the first MoE layer, then the next."""
+        """Records are layer-major: all experts of the first MoE layer, then the next (of a
+        shard: those it holds). IndexError for an expert this vault does not hold."""
         if not 0 <= expert < self.num_experts:
             raise IndexError(f"expert {expert} out of range 0..{self.num_experts - 1}")
+        if self.shard is not None:
+            index = self.shard.index.get((layer, expert))
+            if index is None:
+                raise IndexError(
+                    f"expert {expert} of layer {layer} is not in this shard (rank "
+                    f"{self.shard.rank} of {self.shard.ranks})"
+                )
+            return index
         return self.layer_position(layer) * self.num_experts + expert
 
     def layer_position(self, layer: int) -> int:
@@ -126,7 +140,17 @@ class Manifest:
 
     def record_key(self, index: int) -> tuple[int, int]:
         """(decoder layer, expert) of a record index."""
+        if self.shard is not None:
+            return self.shard.keys[index]
         return self.layers[index // self.num_experts].layer, index % self.num_experts
+
+    def identity(self) -> int:
+        """A 63-bit checksum of the full vault's manifest (the one a shard was cut from):
+        ranks compare it to check that they run the same model."""
+        if self.shard is not None:
+            return self.shard.base
+        d = {k: v for k, v in self.to_json().items() if k != SIGNATURE}
+        return digest(DEFAULT_ALGORITHM, _canonical(d)) & 0x7FFF_FFFF_FFFF_FFFF
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as written, signed (``sign_manifest``)."""
@@ -150,6 +174,7 @@ class Manifest:
             "checksums": {"algorithm": self.checksum_algorithm, "values": self.checksums},
             "backbone": self.backbone,
             **({"config": self.config} if self.config else {}),
+            **({"shard": self.shard.to_json()} if self.shard is not None else {}),
         }
         return sign_manifest(d)
 
@@ -159,7 +184,9 @@ class Manifest:
         "Validation"): types, ranges, the record layout against the experts' module and
         quantization, layers, checksums, the backbone and config entries. Raises VaultError
         naming ``where`` (the file), the field and the fix."""
-        c = Check(where)
+        # A shard's fix is to cut it again from the full vault, not to convert.
+        sharded = isinstance(d, dict) and "shard" in d
+        c = Check(where, "cut the shard again with 'smoe shard'") if sharded else Check(where)
         d = c.obj(d, "the manifest")
         if c.key(d, "format", "") != FORMAT:
             raise VaultError(f"{where} is not an S-MoE vault manifest")
@@ -174,8 +201,15 @@ class Manifest:
         topology = _topology(c, c.key(d, "topology", ""))
         quantization = _quantization(c, c.key(d, "quantization", ""))
         record = RecordLayout.from_json(c.key(d, "record", ""), c)
-        num_experts, layers = _experts(c, c.key(d, "experts", ""), topology, record)
-        algorithm, checksums = _checksums(c, c.key(d, "checksums", ""), len(layers) * num_experts)
+        experts = c.key(d, "experts", "")
+        num_experts, layers = _experts(c, experts, topology)
+        shard = None
+        if "shard" in d:
+            ids = tuple(s.layer for s in layers)
+            shard = Shard.from_json(c, d["shard"], ids, num_experts)
+        count = len(layers) * num_experts if shard is None else len(shard.keys)
+        _check_count(c, experts, count, record, len(layers), num_experts)
+        algorithm, checksums = _checksums(c, c.key(d, "checksums", ""), count)
         backbone = _file_entry(c, c.key(d, "backbone", ""), "backbone", BACKBONE_FILE)
         config = _file_entry(c, d["config"], "config", CONFIG_FILE) if "config" in d else {}
         projection_packing(c, record, topology, quantization)
@@ -194,6 +228,7 @@ class Manifest:
             format=FORMAT,
             version=version,
             config=config,
+            shard=shard,
         )
 
     def projections(self) -> dict[str, Packing | None]:
@@ -274,9 +309,7 @@ def _quantization(c: Check, value: Any) -> dict[str, Any]:
     return q
 
 
-def _experts(
-    c: Check, value: Any, topology: dict[str, Any], record: RecordLayout
-) -> tuple[int, tuple[ExpertLayer, ...]]:
+def _experts(c: Check, value: Any, topology: dict[str, Any]) -> tuple[int, tuple[ExpertLayer, ...]]:
     """manifest.json's "experts": the expert count, and the MoE layers in record order."""
     e = c.obj(value, "experts")
     if "file" in e:
@@ -311,11 +344,17 @@ def _experts(
             "topology.moe_layers",
             f"does not list the layers of experts.layers ({[s.layer for s in layers]})",
         )
-    count = n * len(layers)
+    return n, tuple(layers)
+
+
+def _check_count(
+    c: Check, value: Any, count: int, record: RecordLayout, layers: int, n: int
+) -> None:
+    """ "experts.count" and "bytes" (optional) against the records the vault holds."""
+    e = c.obj(value, "experts")
     if "count" in e and c.int_(e["count"], "experts.count") != count:
-        c.fail(
-            "experts.count", f"is {e['count']}, but {len(layers)} layers of {n} experts are {count}"
-        )
+        held = f"{layers} layers of {n} experts are" if count == layers * n else "the shard holds"
+        c.fail("experts.count", f"is {e['count']}, but {held} {count}")
     if "bytes" in e and c.int_(e["bytes"], "experts.bytes") != count * record.stride:
         c.fail(
             "experts.bytes",
@@ -323,7 +362,6 @@ def _experts(
         )
     if "order" in e:
         c.str_(e["order"], "experts.order", choices=("layer-major",))
-    return n, tuple(layers)
 
 
 def _checksum_range(c: Check, algorithm: Any, name: str) -> tuple[str, int]:
