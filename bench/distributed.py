@@ -32,13 +32,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_generate(args: list[str], ranks: int) -> dict[str, Any]:
+def run_generate(args: list[str], ranks: int, backend: str = "ring") -> dict[str, Any]:
     cmd = [sys.executable, "-m", "smoe.cli", "generate", *args, "--json"]
     if ranks > 1:
         launch = Path(sys.executable).parent / "mlx.launch"
         port = str(_free_port())
-        cmd = [str(launch), "-n", str(ranks), "--backend", "ring", "-p", port, "--", *cmd]
-        cmd.append("--distributed")
+        where = ["-p", port] if backend == "ring" else ["--nccl-port", port]
+        cmd = [str(launch), "-n", str(ranks), "--backend", backend, *where, "--", *cmd]
+        cmd += ["--distributed", backend]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -85,15 +86,18 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--device", default=None, help="cpu or gpu (default: MLX's)")
+    ap.add_argument("--backend", default="ring", help="ring, or nccl for one rank per GPU")
     a = ap.parse_args()
     prompt = ",".join(str(random.Random(0).randrange(10, 1000)) for _ in range(a.prompt))
     args = [str(a.vault), "--prompt-ids", prompt, "--max-tokens", str(a.tokens)]
     args += ["--slots", str(a.slots), "--workers", str(a.workers)]
+    args += ["--device", a.device] if a.device else []
     runs: dict[str, list[dict[str, Any]]] = {"1": [], str(a.ranks): []}
     for r in range(a.rounds):
         order = [1, a.ranks] if r % 2 == 0 else [a.ranks, 1]
         for n in order:
-            runs[str(n)].append(summarize(run_generate(args, n)))
+            runs[str(n)].append(summarize(run_generate(args, n, a.backend)))
     solo = runs["1"][0]["tokens"]
     same = all(run["tokens"] == solo for rs in runs.values() for run in rs)
     rates = {n: statistics.median(x["decode_tok_s"] for x in rs) for n, rs in runs.items()}
@@ -104,6 +108,8 @@ def main() -> int:
                 "vault": str(a.vault),
                 "slots_per_rank": a.slots,
                 "ranks": a.ranks,
+                "device": a.device or "default",
+                "backend": a.backend,
                 "tokens": a.tokens,
                 "same_tokens": same,
                 "median_decode_tok_s": rates,
