@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -35,7 +36,7 @@ def _free_port() -> int:
 def run_generate(args: list[str], ranks: int, backend: str = "ring") -> dict[str, Any]:
     cmd = [sys.executable, "-m", "smoe.cli", "generate", *args, "--json"]
     if ranks > 1:
-        launch = Path(sys.executable).parent / "mlx.launch"
+        launch = shutil.which("mlx.launch") or Path(sys.executable).parent / "mlx.launch"
         port = str(_free_port())
         where = ["-p", port] if backend == "ring" else ["--nccl-port", port]
         cmd = [str(launch), "-n", str(ranks), "--backend", backend, *where, "--", *cmd]

@@ -5,6 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PATH=/tmp/site/bin:$PATH  # mlx.launch, where the wheels were installed
 DATA=${DATA:-/tmp/data}
 V=$DATA/q235-${LAYERS:-16}
 [ -f "$V/manifest.json" ] || STEPS=build bash bench/gpu/phase_b.sh
@@ -15,7 +16,7 @@ x = mx.distributed.all_sum(mx.ones((4,)) * (g.rank() + 1), group=g)
 mx.eval(x)
 print("nccl rank", g.rank(), "of", g.size(), x.tolist(), mx.default_device(), flush=True)
 PY
-timeout 120 mlx.launch -n 2 --backend nccl -- python3 /tmp/nccl_check.py 2>&1 | tail -4
+timeout 120 mlx.launch -n 2 --backend nccl -- "$(command -v python3)" /tmp/nccl_check.py 2>&1 | tail -4
 nvidia-smi --query-gpu=index,memory.used --format=csv
 python3 bench/distributed.py "$V" --device gpu --backend nccl --slots ${SLOTS:-102} \
   --tokens ${TOKENS:-24} --rounds ${ROUNDS:-2} --workers 8 > "$OUT/bench_distributed.json" \
