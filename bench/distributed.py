@@ -89,11 +89,18 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--device", default=None, help="cpu or gpu (default: MLX's)")
     ap.add_argument("--backend", default="ring", help="ring, or nccl for one rank per GPU")
+    ap.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (seeded: both sides alike)",
+    )
     a = ap.parse_args()
     prompt = ",".join(str(random.Random(0).randrange(10, 1000)) for _ in range(a.prompt))
     args = [str(a.vault), "--prompt-ids", prompt, "--max-tokens", str(a.tokens)]
     args += ["--slots", str(a.slots), "--workers", str(a.workers)]
     args += ["--device", a.device] if a.device else []
+    args += ["--temp", str(a.temp), "--seed", "1"] if a.temp > 0 else []
     runs: dict[str, list[dict[str, Any]]] = {"1": [], str(a.ranks): []}
     for r in range(a.rounds):
         order = [1, a.ranks] if r % 2 == 0 else [a.ranks, 1]
@@ -111,6 +118,7 @@ def main() -> int:
                 "ranks": a.ranks,
                 "device": a.device or "default",
                 "backend": a.backend,
+                "temperature": a.temp,
                 "tokens": a.tokens,
                 "same_tokens": same,
                 "median_decode_tok_s": rates,

@@ -16,10 +16,11 @@ x = mx.distributed.all_sum(mx.ones((4,)) * (g.rank() + 1), group=g)
 mx.eval(x)
 print("nccl rank", g.rank(), "of", g.size(), x.tolist(), mx.default_device(), flush=True)
 PY
-timeout 120 mlx.launch -n 2 --backend nccl -- "$(command -v python3)" /tmp/nccl_check.py 2>&1 | tail -4
+[ -n "${SKIP_CHECK:-}" ] || timeout 120 mlx.launch -n 2 --backend nccl -- "$(command -v python3)" /tmp/nccl_check.py 2>&1 | tail -4
 nvidia-smi --query-gpu=index,memory.used --format=csv
 python3 bench/distributed.py "$V" --device gpu --backend nccl --slots ${SLOTS:-102} \
-  --tokens ${TOKENS:-24} --rounds ${ROUNDS:-2} --workers 8 > "$OUT/bench_distributed.json" \
+  --tokens ${TOKENS:-24} --rounds ${ROUNDS:-2} --workers 8 --temp ${TEMP:-0} \
+  > "$OUT/bench_distributed.json" \
   2> "$OUT/bench_distributed.err"
 tail -5 "$OUT/bench_distributed.err"
 python3 -c "import json; r=json.load(open('$OUT/bench_distributed.json')); print({k: r[k] for k in ('same_tokens','median_decode_tok_s','speedup')})"
