@@ -381,3 +381,74 @@ def test_a_rank_given_another_ranks_shard_is_refused_on_every_rank(shards, tmp_p
     )
     for rc, _, stderr in finish(swapped, timeout=120):
         assert rc == 2 and "opened the shard cut for rank 1 of 2" in stderr, stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- serve across ranks
+def _serve_and_ask(argv_for_rank, tmp_path, ranks: int) -> tuple[list[str], list[tuple[int, str]]]:
+    """Start `smoe serve` (on ``ranks`` ranks), send concurrent completions (greedy and
+    seeded), one streamed request dropped after its first event, then the same requests
+    again; stop rank 0 with SIGINT. Returns the texts and every rank's (exit code, stderr)."""
+    import concurrent.futures
+    import urllib.request
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    port = _free_ports(1)[0]
+    argv = argv_for_rank + ["--port", str(port)]
+    procs = (
+        start_ranks(argv, tmp_path, ranks)
+        if ranks > 1
+        else [
+            subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        ]
+    )
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+
+    def post(body: dict) -> str:
+        req = urllib.request.Request(
+            base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    bodies = [{"prompt": [5, 6, 7, i], "max_tokens": 10, "temperature": 0} for i in range(8, 12)]
+    bodies.append({"prompt": [9, 9, 9], "max_tokens": 8, "temperature": 0.9, "seed": 4})
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        texts = list(pool.map(post, bodies))
+    dropped = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps({"prompt": [7, 7], "max_tokens": 200, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(dropped, timeout=120) as r:
+        r.readline()  # one event, then the client goes away: the request is cancelled
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        texts += list(pool.map(post, bodies))
+    procs[0].send_signal(signal.SIGINT)
+    return texts, [(rc, err) for rc, _, err in finish(procs, timeout=120)]
+
+
+def test_smoe_serve_across_two_ranks_answers_as_one_process(vault, tmp_path):
+    """Rank 0 hears the clients and announces each iteration's requests and cancels; rank
+    1 runs them too. The answers are one process's; stopping rank 0 ends rank 1 cleanly."""
+    argv = ["-m", "smoe.cli", "serve", str(vault.path), "--slots", "6", "--max-batch", "4"]
+    solo, (only,) = _serve_and_ask(argv, tmp_path / "one", 1)
+    both, ranks = _serve_and_ask(argv + ["--distributed", "ring"], tmp_path / "two", 2)
+    assert only[0] == 130, only[1][-2000:]  # SIGINT
+    assert both == solo and len(set(solo)) > 1
+    (rc0, err0), (rc1, err1) = ranks
+    assert rc0 == 130 and "Traceback" not in err0, err0[-2000:]
+    assert rc1 == 0 and "following rank 0" in err1, err1[-2000:]

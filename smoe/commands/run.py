@@ -34,11 +34,7 @@ async def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
-    options = _engine_options(args) | {
-        "distributed": args.distributed,
-        "collective_timeout": args.collective_timeout,
-    }
-    async with Engine.open(args.vault, **options) as engine:
+    async with Engine.open(args.vault, **_engine_options(args)) as engine:
         quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
         if engine.ranks is not None and args.temp > 0 and args.seed is None:
             args.seed = await engine.from_rank0(secrets.randbits(31))  # every rank samples alike
@@ -143,6 +139,8 @@ async def _chat(args: argparse.Namespace) -> int:
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     async with Engine.open(vault, **_engine_options(args)) as engine:
+        if await _follow_rank0(engine):
+            return 0
         print(
             f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
             f"{_dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
@@ -187,6 +185,8 @@ async def _serve(args: argparse.Namespace) -> int:
         cached_bytes=parse_size(args.prefix_cache),
     )
     async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
+        if await _follow_rank0(engine):
+            return 0
 
         def ready(port: int) -> None:
             print(
@@ -213,11 +213,49 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "hint_depth": args.hint_depth,
         "spec": args.spec,
         "lookahead": args.lookahead,
+        "distributed": args.distributed,
+        "collective_timeout": args.collective_timeout,
     }
+
+
+def _distributed_options(p: argparse.ArgumentParser) -> None:
+    """--distributed and --collective-timeout (docs/distributed.md)."""
+    p.add_argument(
+        "--distributed",
+        nargs="?",
+        const="any",
+        default=None,
+        metavar="BACKEND",
+        help="expert parallelism across the ranks mlx.launch started (docs/distributed.md): "
+        "each rank reads and computes its own experts; rank 0 talks to the user. BACKEND: "
+        "any (the launcher's), ring, mpi, nccl or jaccl",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --distributed: end with an error when a sum over ranks waits longer than "
+        "this for a rank that hangs (default 120)",
+    )
+
+
+async def _follow_rank0(engine: Any) -> bool:
+    """Chat and serve across ranks: rank 0 leads (it hears the users) and this returns
+    False; another rank runs rank 0's requests until it ends, then this returns True."""
+    if engine.ranks is None:
+        return False
+    if engine.ranks.rank == 0:
+        engine.lead()
+        return False
+    print(f"rank {engine.ranks.rank} of {engine.ranks.size}: following rank 0", file=sys.stderr)
+    await engine.follow()
+    return True
 
 
 def _memory_option(p: argparse.ArgumentParser) -> None:
     """The engine options generate, chat and serve share: --memory, --slots, --policy ..."""
+    _distributed_options(p)
     p.add_argument(
         "--memory",
         default=None,
@@ -303,24 +341,6 @@ def add_generate(sub: Any) -> None:
         help="record every routing decision (with deeper gate ranks) to this .npz",
     )
     g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
-    g.add_argument(
-        "--distributed",
-        nargs="?",
-        const="any",
-        default=None,
-        metavar="BACKEND",
-        help="expert parallelism across the ranks mlx.launch started (docs/distributed.md): "
-        "each rank reads and computes its own experts; rank 0 prints. BACKEND: any (the "
-        "launcher's), ring, mpi, nccl or jaccl",
-    )
-    g.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=120.0,
-        metavar="SECONDS",
-        help="with --distributed: end with an error when a sum over ranks waits longer than "
-        "this for a rank that hangs (default 120)",
-    )
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
 

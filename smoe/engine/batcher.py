@@ -110,6 +110,12 @@ class Ticket:
     state: RequestState = RequestState.WAITING
     generated: int = 0
     cancelled: bool = False  # asked by the consumer; acted on at the next iteration
+    # Whether the batcher acts on the cancel: at once alone; across ranks only from the
+    # iteration whose start told every rank (smoe/engine/mirror.py).
+    leaving: bool = False
+    number: int = 0  # the batcher's count of submitted tickets: its name across ranks
+    request: Any = None  # what the other ranks need to run it too (mirror.Request)
+    error: BaseException | None = None  # why it failed, if it did
     prompt_run: int = 0  # prompt tokens to prefill (the rest of the prompt was reused)
     # What this request cost: its prefill chunks and first step (time to first token),
     # then its decode steps; bytes of a batched step are shared among its rows.
@@ -129,6 +135,8 @@ class Ticket:
     def _finish(self, last: End | Failed) -> None:
         if not self.finished:
             self.state = RequestState.FINISHED
+            if isinstance(last, Failed):
+                self.error = last.error
             self.events.put_nowait(last)
 
 
@@ -180,13 +188,21 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._stop = anyio.CancelScope()  # close() cancels the loop through it
         self._closed = False
+        self.submitted = 0
+        # Across ranks (smoe/engine/mirror.py): rank 0's coordinator tells the others what
+        # each iteration starts with; None: this process decides alone.
+        self.coordinator: Any = None
+        self.incoming: collections.deque[Ticket] = collections.deque()  # not yet announced
 
     # ------------------------------------------------------------------ interface
     def submit(self, ticket: Ticket) -> Ticket:
         """Queue ``ticket``; its events arrive on ``ticket.events``."""
         if self._closed:
             raise SmoeError("the engine is closed")
-        self.waiting.append(ticket)
+        self.submitted += 1
+        ticket.number = self.submitted
+        # Across ranks a ticket waits until an iteration's start has announced it.
+        (self.incoming if self.coordinator is not None else self.waiting).append(ticket)
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
@@ -197,22 +213,28 @@ class Batcher:
     @property
     def queued(self) -> int:
         """Requests submitted but not yet admitted to the batch."""
-        return sum(1 for t in self.waiting if not t.cancelled)
+        return sum(1 for t in [*self.incoming, *self.waiting] if not t.cancelled)
 
     async def wait_idle(self) -> None:
         """Until no request is waiting or active."""
         await self._idle.wait()
 
     async def close(self) -> None:
-        """Stop the loop after the job in progress; every unfinished ticket gets an error."""
+        """Stop the loop after the job in progress; every unfinished ticket gets an error.
+        Across ranks, the iteration in progress completes first (every rank runs it) and
+        the other ranks are told to stop."""
         self._closed = True
+        if self.coordinator is not None:
+            async with self.lock:  # between iterations: no rank is inside a pass
+                await self.coordinator.end(self)
         if self._task is not None:
             self._stop.cancel()  # the loop leaves its scope at its next await and returns
             await self._task
-        for t in [*self.active, *self.waiting]:
+        for t in [*self.active, *self.waiting, *self.incoming]:
             t._finish(Failed(SmoeError("the engine closed during the request")))
         self.active.clear()
         self.waiting.clear()
+        self.incoming.clear()
         self._idle.set()
 
     # ------------------------------------------------------------------ the loop
@@ -222,7 +244,7 @@ class Batcher:
 
     async def _serve(self) -> None:
         while True:
-            if not self.waiting and not self.active:
+            if not self.waiting and not self.active and not self.incoming:
                 self._idle.set()
                 if self.on_idle is not None:
                     try:
@@ -233,19 +255,35 @@ class Batcher:
                 await self._wake.wait()
                 continue
             async with self.lock:
+                if self._closed:  # across ranks: close() ends the group between iterations
+                    return
                 try:
+                    if self.coordinator is not None:
+                        await self.coordinator.start(self)
                     await self._iteration()
+                    if self.coordinator is not None:
+                        self.coordinator.check(self)
                 except Exception as e:  # a bug here must not leave requests hanging
-                    for t in [*self.active, *self.waiting]:
+                    for t in [*self.active, *self.waiting, *self.incoming]:
                         t._finish(Failed(e))
                     self.active.clear()
                     self.waiting.clear()
+                    self.incoming.clear()
+
+    async def iterate(self) -> None:
+        """One iteration (admit, one prefill chunk, one batched step), under ``lock``: for
+        a rank that follows another's iterations (smoe/engine/mirror.py)."""
+        await self._iteration()
+
+    def _gone(self, ticket: Ticket) -> bool:
+        """Whether the batcher acts on the ticket's cancel now (module docstring)."""
+        return ticket.leaving if self.coordinator is not None else ticket.cancelled
 
     async def _iteration(self) -> None:
         self._drop_cancelled()
         while self.waiting and len(self.active) < self.max_batch:
             ticket = self.waiting.popleft()
-            if ticket.cancelled:
+            if self._gone(ticket):
                 continue
             if self.on_demand is not None:
                 self.on_demand()
@@ -275,8 +313,8 @@ class Batcher:
             ticket.state = RequestState.PREFILLING if prefilling else RequestState.DECODING
 
     def _drop_cancelled(self) -> None:
-        self.active = [t for t in self.active if not (t.cancelled or t.finished)]
-        while self.waiting and self.waiting[0].cancelled:
+        self.active = [t for t in self.active if not (self._gone(t) or t.finished)]
+        while self.waiting and self._gone(self.waiting[0]):
             self.waiting.popleft()
 
     async def _prefill(self, ticket: Ticket) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,10 @@ from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
 from smoe.engine.events import Event, GenerationStats
+from smoe.engine.group_api import GroupAPI
+from smoe.engine.mirror import Leader, Request
 from smoe.engine.options import EngineOptions
-from smoe.engine.ranks import Ranks, io_by_rank
+from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
 from smoe.errors import SmoeError
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
 
 
-class Engine:
+class Engine(GroupAPI):
     """A vault opened for inference. Create with ``Engine.open`` and use as ``async with``."""
 
     def __init__(self, vault: Vault | str | Path, options: EngineOptions) -> None:
@@ -59,6 +62,7 @@ class Engine:
         # Expert parallelism (options.distributed): this process's place among the ranks;
         # None when one process computes every expert.
         self.ranks: Ranks | None = None
+        self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
 
     @classmethod
     def open(
@@ -355,31 +359,6 @@ class Engine:
             }
         )
 
-    # ---------------------------------------------------------------- expert parallelism
-    async def from_rank0(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
-        every rank calls it at the same point. GroupError if the group broke."""
-        if self.ranks is None:
-            return value
-        async with self._lock:
-            return await self.ranks.from_rank0(value)
-
-    async def rank_stats(self) -> list[dict[str, Any]]:
-        """Each rank's I/O so far, in rank order (this process's alone without ranks):
-        experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
-        over ranks with their seconds. A collective, as ``from_rank0``."""
-        s, m = self.scheduler.stats, self.vault.manifest
-        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0]
-        if self.ranks is not None:
-            mine[4:] = [self.ranks.sums, int(self.ranks.sum_seconds * 1e6)]
-        if self.ranks is None:
-            rows = np.array([mine])
-        else:
-            async with self._lock:
-                rows = await self.ranks.gather(mine)
-        owned = [m.num_records] if self.ranks is None else self.ranks.owned_counts()
-        return io_by_rank(rows, owned)
-
     # ---------------------------------------------------------------- API
     def check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
         """``tokens`` as a list, or SmoeError if the engine is closed, the prompt is empty,
@@ -412,6 +391,7 @@ class Engine:
         ends (the one in progress finishes first). For work on a sequence's cache outside a
         generation (save, load, fork) and for tests that need the engine still. Cancelling
         the wait for it raises CancelledError and holds nothing."""
+        self._refuse_while_leading("saving, loading or forking a conversation's cache")
         async with self._lock:
             yield
 
@@ -419,6 +399,7 @@ class Engine:
         """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other
         than which experts the ring happens to hold."""
         ids = self.check_prompt(token_ids)
+        self._refuse_while_leading("teacher-forced logits")
         async with self._lock:
             self._demand_arrives()
             return await self.compute.run(self.runner.logits, ids)
@@ -466,18 +447,28 @@ class Engine:
         Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt."""
         ids = self.check_prompt(prompt, extra=max_tokens)
         if self.ranks is not None and params.temperature > 0 and params.seed is None:
-            raise SmoeError(
-                "ranks sample the same tokens only from the same seed: give a seed "
-                "(smoe generate --seed N) or sample greedily"
-            )
+            if self.leader is None:
+                raise SmoeError(
+                    "ranks sample the same tokens only from the same seed: give a seed "
+                    "(smoe generate --seed N) or sample greedily"
+                )
+            # Leading: rank 0 picks the seed, and announces it with the request.
+            params = dataclasses.replace(params, seed=secrets.randbits(31))
+        eos = self._eos(stop_at_eos)
+        leader = self.leader
+        request = None
+        if leader is not None:
+            request = leader.describe(sequence, ids, params, max_tokens, eos)
 
         def prepare() -> Sequence_:  # compute thread
             seq, run = self.point(sequence, ids, params)
+            if leader is not None and request is not None and request.new:
+                leader.sequences.adopt(seq, request.sequence)
             if on_prepared is not None:
                 on_prepared(seq, run)
             return seq
 
-        return self._stream(prepare, len(ids), max_tokens, stop_at_eos)
+        return self._stream(prepare, len(ids), max_tokens, eos, request)
 
     def point(
         self, sequence: Sequence_ | None, ids: list[int], params: SamplingParams
@@ -501,8 +492,18 @@ class Engine:
 
         return await Conversation.load(self, path)
 
+    def _eos(self, stop_at_eos: bool) -> frozenset[int]:
+        if not stop_at_eos or self.tokenizer is None:
+            return frozenset()
+        return frozenset(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
     async def _stream(
-        self, prepare: Any, prompt_len: int, max_tokens: int, stop_at_eos: bool
+        self,
+        prepare: Any,
+        prompt_len: int,
+        max_tokens: int,
+        eos: frozenset[int],
+        request: Request | None = None,
     ) -> AsyncIterator[Event]:
         """Submit a generation to the batcher and turn its tokens into events. ``prepare``
         runs on the compute thread and returns the sequence pointed at its prompt
@@ -510,8 +511,9 @@ class Engine:
         Leaving the iteration early takes the request out of the batch."""
         if not self._opened:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
-        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
-        ticket = self.batcher.submit(Ticket(prepare, max_tokens, frozenset(eos)))
+        ticket = Ticket(prepare, max_tokens, eos)
+        ticket.request = request  # what the other ranks run, when they follow this one
+        self.batcher.submit(ticket)
         stats = GenerationStats(
             prompt_tokens=prompt_len, compute_dtype=str(self.dtype).split(".")[-1]
         )

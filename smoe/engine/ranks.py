@@ -114,6 +114,20 @@ class Ranks:
         )
         return int(got[0])
 
+    async def broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others pass None). Rank 0's wait is
+        watched; another rank's is not: it waits as long as rank 0 is idle."""
+        compute = _Watched(self._compute, self.watchdog) if self.rank == 0 else self._compute
+        return bytes(await _collective(compute, self._broadcast, payload))
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        """Compute thread: the length, then the bytes (as int64 values: a sum)."""
+        length = int(self.group.from_rank0(np.array([0 if payload is None else len(payload)]))[0])
+        mine = np.zeros(length, np.int64)
+        if payload is not None:
+            mine = np.frombuffer(payload, dtype=np.uint8).astype(np.int64)
+        return bytes(self.group.from_rank0(mine).astype(np.uint8).tobytes())
+
     async def gather(self, values: list[int]) -> np.ndarray:
         """[size, n]: every rank's ``values``, in rank order."""
         watched = _Watched(self._compute, self.watchdog)

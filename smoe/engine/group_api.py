@@ -1,0 +1,88 @@
+"""The expert-parallel part of ``Engine``'s API (docs/distributed.md), split out of
+engine/core.py for size: ``Engine`` inherits it. It reads the engine's ``ranks``,
+``batcher``, ``scheduler``, ``slots``, ``vault`` and ``_lock`` and sets ``leader``, all
+defined by ``Engine``; nothing else uses this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from smoe.compute.runner import SamplingParams, Sequence_
+from smoe.engine.mirror import Follower, Leader, Sequences, follow
+from smoe.engine.ranks import Ranks, io_by_rank
+from smoe.errors import SmoeError
+
+if TYPE_CHECKING:
+    from smoe.engine.batcher import Batcher
+    from smoe.vault.format import Vault
+
+
+class GroupAPI:
+    """Collectives, per-rank figures, and rank 0 leading the others."""
+
+    ranks: Ranks | None
+    leader: Leader | None
+    batcher: Batcher
+    scheduler: Any
+    slots: Any
+    vault: Vault
+    _lock: asyncio.Lock
+
+    def point(
+        self, sequence: Sequence_ | None, ids: list[int], params: SamplingParams
+    ) -> tuple[Sequence_, int]:
+        raise NotImplementedError  # Engine.point: a sequence pointed at a prompt
+
+    async def from_rank0(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
+        every rank calls it at the same point. GroupError if the group broke."""
+        if self.ranks is None:
+            return value
+        async with self._lock:
+            return await self.ranks.from_rank0(value)
+
+    async def rank_stats(self) -> list[dict[str, Any]]:
+        """Each rank's I/O so far, in rank order (this process's alone without ranks):
+        experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
+        over ranks with their seconds. A collective, as ``from_rank0``."""
+        s, m = self.scheduler.stats, self.vault.manifest
+        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0]
+        if self.ranks is not None:
+            mine[4:] = [self.ranks.sums, int(self.ranks.sum_seconds * 1e6)]
+        if self.ranks is None:
+            rows = np.array([mine])
+        else:
+            async with self._lock:
+                rows = await self.ranks.gather(mine)
+        owned = [m.num_records] if self.ranks is None else self.ranks.owned_counts()
+        return io_by_rank(rows, owned)
+
+    def lead(self) -> None:
+        """Rank 0: from now on, announce every request to the other ranks, which run them
+        too (``follow``): for chat and serve, where only rank 0 hears the users. Work the
+        others cannot mirror is then refused (teacher-forced logits, conversation cache
+        saves and loads). SmoeError without ranks or on another rank."""
+        if self.ranks is None or self.ranks.rank != 0:
+            raise SmoeError("only rank 0 of a distributed engine leads")
+        self.leader = Leader(self.ranks.broadcast, Sequences())
+        self.batcher.coordinator = self.leader
+
+    async def follow(self) -> None:
+        """Another rank: run rank 0's requests (it called ``lead``) until it ends the
+        group. Raises this rank's error if one of its passes failed, GroupError if the
+        group broke. Cancelling it leaves the ranks out of step: end the process."""
+        if self.ranks is None or self.ranks.rank == 0:
+            raise SmoeError("rank 0 leads; the other ranks of a distributed engine follow")
+
+        def prepare(seq: Sequence_ | None, ids: list[int], fields: dict[str, Any]) -> Sequence_:
+            return self.point(seq, ids, SamplingParams(**fields))[0]
+
+        await follow(self.batcher, Follower(self.ranks.broadcast, prepare))
+
+    def _refuse_while_leading(self, what: str) -> None:
+        if self.leader is not None:
+            raise SmoeError(f"{what} is not available while other ranks follow rank 0")
