@@ -437,6 +437,9 @@ def _serve_and_ask(argv_for_rank, tmp_path, ranks: int) -> tuple[list[str], list
         r.readline()  # one event, then the client goes away: the request is cancelled
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         texts += list(pool.map(post, bodies))
+    with urllib.request.urlopen(base + "/v1/smoe/stats", timeout=120) as r:
+        stats = json.loads(r.read())  # idle: rank 0 runs an iteration for the gather
+    texts.append(json.dumps([(x["rank"], x["bytes_read"] > 0) for x in stats.get("ranks", [])]))
     procs[0].send_signal(signal.SIGINT)
     return texts, [(rc, err) for rc, _, err in finish(procs, timeout=120)]
 
@@ -448,6 +451,7 @@ def test_smoe_serve_across_two_ranks_answers_as_one_process(vault, tmp_path):
     solo, (only,) = _serve_and_ask(argv, tmp_path / "one", 1)
     both, ranks = _serve_and_ask(argv + ["--distributed", "ring"], tmp_path / "two", 2)
     assert only[0] == 130, only[1][-2000:]  # SIGINT
+    assert solo.pop() == "[]" and both.pop() == "[[0, true], [1, true]]"  # per-rank /stats
     assert both == solo and len(set(solo)) > 1
     (rc0, err0), (rc1, err1) = ranks
     assert rc0 == 130 and "Traceback" not in err0, err0[-2000:]

@@ -203,17 +203,21 @@ class Batcher:
         ticket.number = self.submitted
         # Across ranks a ticket waits until an iteration's start has announced it.
         (self.incoming if self.coordinator is not None else self.waiting).append(ticket)
-        self._idle.clear()
-        self._wake.set()
-        if self._task is None or self._task.done():
-            self._stop = anyio.CancelScope()
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="smoe-batcher")
+        self.wake()
         return ticket
 
     @property
     def queued(self) -> int:
         """Requests submitted but not yet admitted to the batch."""
         return sum(1 for t in [*self.incoming, *self.waiting] if not t.cancelled)
+
+    def wake(self) -> None:
+        """Run an iteration soon even with no request (a coordinator has work for one)."""
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._stop = anyio.CancelScope()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="smoe-batcher")
 
     async def wait_idle(self) -> None:
         """Until no request is waiting or active."""
@@ -244,7 +248,8 @@ class Batcher:
 
     async def _serve(self) -> None:
         while True:
-            if not self.waiting and not self.active and not self.incoming:
+            pending = self.coordinator is not None and self.coordinator.pending()
+            if not self.waiting and not self.active and not self.incoming and not pending:
                 self._idle.set()
                 if self.on_idle is not None:
                     try:

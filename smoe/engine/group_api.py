@@ -49,17 +49,23 @@ class GroupAPI:
         """Each rank's I/O so far, in rank order (this process's alone without ranks):
         experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
         over ranks with their seconds. A collective, as ``from_rank0``."""
-        s, m = self.scheduler.stats, self.vault.manifest
+        m = self.vault.manifest
+        if self.ranks is None:
+            return io_by_rank(np.array([self._my_io()]), [m.num_records])
+        if self.leader is not None:  # the followers join it at the next iteration's start
+            rows = await self.leader.gather(self.batcher)
+        else:
+            async with self._lock:
+                rows = await self.ranks.gather(self._my_io())
+        return io_by_rank(rows, self.ranks.owned_counts())
+
+    def _my_io(self) -> list[int]:
+        """This rank's row of ``rank_stats`` (ranks.io_by_rank reads it)."""
+        s = self.scheduler.stats
         mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0]
         if self.ranks is not None:
             mine[4:] = [self.ranks.sums, int(self.ranks.sum_seconds * 1e6)]
-        if self.ranks is None:
-            rows = np.array([mine])
-        else:
-            async with self._lock:
-                rows = await self.ranks.gather(mine)
-        owned = [m.num_records] if self.ranks is None else self.ranks.owned_counts()
-        return io_by_rank(rows, owned)
+        return mine
 
     def lead(self) -> None:
         """Rank 0: from now on, announce every request to the other ranks, which run them
@@ -68,7 +74,8 @@ class GroupAPI:
         saves and loads). SmoeError without ranks or on another rank."""
         if self.ranks is None or self.ranks.rank != 0:
             raise SmoeError("only rank 0 of a distributed engine leads")
-        self.leader = Leader(self.ranks.broadcast, Sequences())
+        ranks = self.ranks
+        self.leader = Leader(ranks.broadcast, Sequences(), lambda: ranks.gather(self._my_io()))
         self.batcher.coordinator = self.leader
 
     async def follow(self) -> None:
@@ -81,7 +88,9 @@ class GroupAPI:
         def prepare(seq: Sequence_ | None, ids: list[int], fields: dict[str, Any]) -> Sequence_:
             return self.point(seq, ids, SamplingParams(**fields))[0]
 
-        await follow(self.batcher, Follower(self.ranks.broadcast, prepare))
+        ranks = self.ranks
+        gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
+        await follow(self.batcher, Follower(ranks.broadcast, prepare, gather))
 
     def _refuse_while_leading(self, what: str) -> None:
         if self.leader is not None:

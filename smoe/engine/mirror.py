@@ -8,6 +8,7 @@ changed since the last one:
   each continues);
 - the requests cancelled;
 - the sequences rank 0 has dropped;
+- a gather of every rank's I/O figures (``engine.rank_stats``, the server's /stats);
 - or the end of the group.
 
 Each ``Follower`` applies the same changes to its own batcher, then runs the same
@@ -25,6 +26,7 @@ Failures:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -98,9 +100,16 @@ class Leader:
 
     leads = True
 
-    def __init__(self, exchange: Callable[[bytes | None], Any], sequences: Sequences) -> None:
+    def __init__(
+        self,
+        exchange: Callable[[bytes | None], Any],
+        sequences: Sequences,
+        gather: Callable[[], Any],
+    ) -> None:
         self._exchange = exchange  # async: rank 0's message on every rank
+        self._gather = gather  # async: every rank's I/O row (engine.rank_stats)
         self.sequences = sequences
+        self._gathers: list[asyncio.Future[Any]] = []  # rank_stats calls waiting
         self.broken: BaseException | None = None
         self.tickets: dict[int, Ticket] = {}  # announced and not finished
 
@@ -119,6 +128,18 @@ class Leader:
             )
         fields = dataclasses.asdict(params)
         return Request(number, new, list(ids), fields, max_tokens, sorted(eos))
+
+    def pending(self) -> bool:
+        """Whether an iteration must run even with no request (a gather is waiting)."""
+        return bool(self._gathers)
+
+    async def gather(self, batcher: Batcher) -> Any:
+        """Every rank's I/O row, gathered at the start of the next iteration (one is run
+        for it if the batcher is idle)."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._gathers.append(done)
+        batcher.wake()
+        return await done
 
     async def start(self, batcher: Batcher) -> None:
         """Announce the tickets submitted and cancelled since the last iteration, and the
@@ -141,8 +162,20 @@ class Leader:
                 changes.append({"kind": "cancel", "ticket": ticket.number})
         for number in self.sequences.take_dropped():
             changes.append({"kind": "forget", "sequence": number})
+        gathers, self._gathers = self._gathers, []
+        if gathers:
+            changes.append({"kind": "gather"})
         await self._exchange(json.dumps(changes).encode())
         batcher.waiting.extend(new)
+        if gathers:
+            try:
+                rows = await self._gather()
+            except BaseException as e:
+                for done in gathers:
+                    done.set_exception(e)
+                raise
+            for done in gathers:
+                done.set_result(rows)
 
     async def end(self, batcher: Batcher) -> None:
         """Tell the other ranks to stop (between iterations)."""
@@ -167,11 +200,16 @@ class Follower:
         self,
         exchange: Callable[[bytes | None], Any],
         prepare: Callable[[Any, list[int], dict[str, Any]], Any],
+        gather: Callable[[], Any],
     ) -> None:
         self._exchange = exchange
         self._prepare = prepare  # compute thread: (sequence or None, ids, params) -> sequence
+        self._gather = gather  # async: join rank 0's gather of every rank's I/O row
         self.sequences: dict[int, Any] = {}
         self.tickets: dict[int, Ticket] = {}
+
+    def pending(self) -> bool:
+        return False  # a follower runs iterations when rank 0 announces them
 
     async def start(self, batcher: Batcher) -> bool:
         """Wait for rank 0's next announcement and apply it; False at the group's end."""
@@ -180,6 +218,8 @@ class Follower:
             kind = change.pop("kind")
             if kind == END:
                 return False
+            if kind == "gather":
+                await self._gather()
             if kind == "request":
                 number = change.pop("ticket")
                 request = Request(**change)

@@ -193,8 +193,11 @@ class Server:
 
     async def stats(self, request: web.Request) -> web.Response:
         sched, batcher = self.engine.scheduler, self.engine.batcher
+        # Across ranks: every rank's I/O, gathered at the next iteration (docs/distributed.md).
+        ranks = await self.engine.rank_stats() if self.engine.ranks is not None else None
         return web.json_response(
             {
+                **({"ranks": ranks} if ranks is not None else {}),
                 "scheduler": sched.stats.to_json(),
                 "ring": {"slots": sched.num_slots, "filled": sched.fill()},
                 "queues": {
