@@ -456,3 +456,64 @@ def test_smoe_serve_across_two_ranks_answers_as_one_process(vault, tmp_path):
     (rc0, err0), (rc1, err1) = ranks
     assert rc0 == 130 and "Traceback" not in err0, err0[-2000:]
     assert rc1 == 0 and "following rank 0" in err1, err1[-2000:]
+
+
+def test_smoe_chat_across_two_ranks_replies_as_one_process(vault, tmp_path):
+    """Rank 0's REPL in a terminal, rank 1 following: the reply is one process's, /save
+    is refused in one line (rank 1 cannot save its own cache), /quit ends both."""
+    import pty
+
+    from tests.test_chat_cli import _read_until
+
+    def chat(argv: list[str], ranks: int) -> tuple[str, list[tuple[int, str]]]:
+        primary, secondary = pty.openpty()
+        env = {**os.environ, "TERM": "dumb", "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
+        procs = []
+        if ranks > 1:
+            hostfile = tmp_path / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+            env |= {"MLX_HOSTFILE": str(hostfile)}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    cwd=ROOT,
+                    env=env | {"MLX_RANK": "1"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        tty = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            env=env | {"MLX_RANK": "0"},
+            stdin=secondary,
+            stdout=secondary,
+            stderr=secondary,
+            close_fds=True,
+        )
+        os.close(secondary)
+        try:
+            _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
+            os.write(primary, b"In the beginning\r")
+            seen = _read_until(primary, re.compile(r"In the beginning\n.*\w.*\n> ", re.S), 120)
+            reply = seen.rsplit("In the beginning", 1)[1].rsplit("\n> ", 1)[0].strip()
+            os.write(primary, b"/save " + str(tmp_path / "conv.npz").encode() + b"\r")
+            saved = _read_until(primary, re.compile(r"/save .*\n.*\n> ", re.S), 60)
+            os.write(primary, b"/quit\r")
+            tty.wait(timeout=60)
+        finally:
+            os.close(primary)
+            tty.kill()
+        done = [(tty.returncode, saved)]
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            done.append((p.returncode, err))
+        return reply, done
+
+    argv = ["-m", "smoe.cli", "chat", str(vault.path), "--temp", "0", "--max-tokens", "12"]
+    solo, _ = chat(argv, 1)
+    both, ((rc0, saved), (rc1, err1)) = chat(argv + ["--slots", "6", "--distributed", "ring"], 2)
+    assert both == solo and solo
+    assert rc0 == 0 and "not available while other ranks follow rank 0" in saved
+    assert rc1 == 0 and "following rank 0" in err1, err1[-2000:]
