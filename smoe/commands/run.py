@@ -254,7 +254,8 @@ async def _follow_rank0(engine: Any) -> bool:
 
 
 def _memory_option(p: argparse.ArgumentParser) -> None:
-    """The engine options generate, chat and serve share: --memory, --slots, --policy ..."""
+    """The engine options generate, chat and serve share: --memory, --slots, --policy ...
+    (one block of option declarations: long only by count)."""
     _distributed_options(p)
     p.add_argument(
         "--memory",

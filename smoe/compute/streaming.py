@@ -172,18 +172,7 @@ class StreamingExperts(nn.Module):
         idx = np.array(indices)  # the same routing on every rank: the same hidden state
         seen = self._observe(idx) if tracer is not None else _Seen()
         mine = self._shard.mine(np.unique(idx).tolist())
-        capacity = self._source.capacity()
-        parts = Parts(x, idx)
-        waves = 0
-        for start in range(0, len(mine), capacity):
-            wave = mine[start : start + capacity]
-            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, parts.sorted))
-            waves += 1
-        y = (
-            parts.result()
-            if parts.out is not None
-            else mx.zeros((*idx.shape, x.shape[-1]), x.dtype)
-        )
+        y, waves = self._run_in_waves(x, idx, mine, self._source.capacity())
         try:
             y = self._shard.reduce(y)
             mx.eval(y)
@@ -319,12 +308,16 @@ class StreamingExperts(nn.Module):
     def _run_in_waves(
         self, x: mx.array, idx: np.ndarray, experts: list[int], capacity: int
     ) -> tuple[mx.array, int]:
-        """The union does not fit the ring: run it in waves of at most ``capacity`` experts.
+        """Run ``experts`` in waves of at most ``capacity`` (the union does not fit the
+        ring, or a rank computes its share of the call).
 
         Each wave computes exactly the (token, rank) pairs routed to its experts, one row
         per pair; the outputs are put back at their (token, rank) position, so the block's
-        rank-order combination, and the total work, are those of a single pass.
+        rank-order combination, and the total work, are those of a single pass. No
+        experts (a rank that owns none of the call's): exact zeros [..., k, D].
         """
+        if not experts:
+            return mx.zeros((*idx.shape, x.shape[-1]), x.dtype), 0
         parts = Parts(x, idx)
         waves = 0
         for start in range(0, len(experts), capacity):

@@ -33,7 +33,7 @@ from smoe.engine.mirror import Leader, Request
 from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
-from smoe.engine.ring_plan import RingPlan, current_device, plan_ring
+from smoe.engine.ring_plan import RingPlan, choose_device, current_device, plan_ring
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
@@ -112,7 +112,7 @@ class Engine(GroupAPI):
 
         m, o = self.vault.manifest, self.options
         o.check(m.shape.experts_per_token, m.num_experts)
-        self._device = self._choose_device()
+        self._device = choose_device(o.device)
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         return plan_ring(
             self.vault,
@@ -182,29 +182,6 @@ class Engine(GroupAPI):
         if self.ring.kind == "staged":
             self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
 
-    def _choose_device(self) -> Any:
-        """The MLX device to compute on (``options.device``), made the default here and on
-        the compute thread. SmoeError if this MLX build lacks it."""
-        import mlx.core as mx
-
-        name = self.options.device
-        if name is None:
-            return mx.default_device()
-        device = getattr(mx, name)
-        if not mx.is_available(device):
-            raise SmoeError(
-                f"this MLX build has no {name} backend; install mlx[cuda] (NVIDIA) or use "
-                "macOS (Metal) for a GPU, or leave the device out"
-            )
-        mx.set_default_device(device)
-        return device
-
-    def _discrete_gpu(self) -> bool:
-        """A GPU with memory of its own (CUDA), as opposed to Apple's unified memory."""
-        import mlx.core as mx
-
-        return bool(self._device == mx.gpu and not mx.metal.is_available())
-
     def _make_ring(self, kind: str, slots: int) -> ExpertRing:
         """The ring (on the compute thread: its arrays belong to that thread's device)."""
         import mlx.core as mx
@@ -219,7 +196,7 @@ class Engine(GroupAPI):
             self.dtype,
             workers=self.options.workers,
             gpu=self._device == mx.gpu,
-            discrete=self._discrete_gpu(),
+            discrete=current_device(self._device).discrete,
             max_bank_bytes=self.options.bank_bytes,
         )
 

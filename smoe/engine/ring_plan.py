@@ -134,6 +134,23 @@ def _cgroup_rooms(root: Path) -> list[int]:
     return rooms
 
 
+def choose_device(name: str | None) -> Any:
+    """The MLX device to compute on (``name``: "cpu", "gpu" or None for MLX's default),
+    made the default device of this thread. SmoeError if this MLX build lacks it."""
+    import mlx.core as mx
+
+    if name is None:
+        return mx.default_device()
+    device = getattr(mx, name)
+    if not mx.is_available(device):
+        raise SmoeError(
+            f"this MLX build has no {name} backend; install mlx[cuda] (NVIDIA) or use "
+            "macOS (Metal) for a GPU, or leave the device out"
+        )
+    mx.set_default_device(device)
+    return device
+
+
 def current_device(device: Any) -> Device:
     """The Device of an MLX device (reads the free memory of a CUDA GPU)."""
     import mlx.core as mx
