@@ -1,6 +1,6 @@
 """One rank of the expert-parallel tests (tests/test_distributed.py), started once per rank.
 
-    python -m tests.distributed_worker VAULT OUT SLOTS PROMPT_IDS STEPS FORCED_IDS
+    python -m tests.distributed_worker VAULT OUT SLOTS PROMPT_IDS STEPS FORCED_IDS [whole]
 
 Every rank runs the same requests on an engine joined to the group: teacher-forced logits
 over the prompt, the decode path's logits with the reference's tokens forced, greedy
@@ -16,16 +16,27 @@ from pathlib import Path
 
 import numpy as np
 
+from smoe.compute.streaming import StreamingExperts
 from smoe.engine import Engine
 from smoe.util.loop import run
 from tests.test_engine_exact import engine_decode, engine_generate
 
 
 async def main(
-    vault: str, out: Path, slots: int, prompt: list[int], steps: int, forced: list[int]
+    vault: str,
+    out: Path,
+    slots: int,
+    prompt: list[int],
+    steps: int,
+    forced: list[int],
+    whole: bool = False,
 ) -> None:
     async with Engine.open(vault, slots=slots, distributed="any") as engine:
         assert engine.ranks is not None
+        if whole:  # the GPU's way on any device: each layer in one call, as mlx-lm makes it
+            for module in engine.runner.model.modules():
+                if isinstance(module, StreamingExperts):
+                    module.overlap = False
         rank = engine.ranks.rank
         logits = await engine.logits(prompt)
         step_logits, picks = await engine_decode(engine, prompt, forced)
@@ -55,5 +66,6 @@ if __name__ == "__main__":
             [int(t) for t in prompt_arg.split(",")],
             int(steps_arg),
             [int(t) for t in forced_arg.split(",")],
+            sys.argv[7:8] == ["whole"],
         )
     )

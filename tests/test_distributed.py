@@ -170,9 +170,16 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert
+@pytest.mark.parametrize(
+    ("arch", "whole"),
+    [
+        ("qwen3_moe", False),
+        ("qwen2_moe", False),  # a shared expert
+        ("qwen3_moe", True),  # each layer in one call with the others' rows zeroed (the GPU's way)
+    ],
+)
 @pytest.mark.asyncio
-async def test_two_ranks_give_the_bits_of_one_process_and_of_mlx_lm(arch, hf_dir, tmp_path):
+async def test_two_ranks_give_the_bits_of_one_process_and_of_mlx_lm(arch, whole, hf_dir, tmp_path):
     vault = convert(hf_dir(arch), tmp_path / "v", ConvertOptions(dtype="float32"))
     ref = reference_model(vault, tmp_path / "mlx")
     prompt = _prompt(70, seed=2)
@@ -182,6 +189,7 @@ async def test_two_ranks_give_the_bits_of_one_process_and_of_mlx_lm(arch, hf_dir
     out.mkdir()
     argv = ["-m", "tests.distributed_worker", str(vault.path), str(out), str(slots)]
     argv += [",".join(map(str, prompt)), str(STEPS), ",".join(map(str, ref_tokens))]
+    argv += ["whole"] if whole else []
     procs = start_ranks(argv, tmp_path)
     async with Engine.open(vault.path, slots=slots) as engine:  # meanwhile: one process
         solo = await engine.logits(prompt)

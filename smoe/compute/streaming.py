@@ -172,7 +172,12 @@ class StreamingExperts(nn.Module):
         idx = np.array(indices)  # the same routing on every rank: the same hidden state
         seen = self._observe(idx) if tracer is not None else _Seen()
         mine = self._shard.mine(np.unique(idx).tolist())
-        y, waves = self._run_in_waves(x, idx, mine, self._source.capacity())
+        capacity = self._source.capacity()
+        y, waves = None, 1
+        if not self.overlap and mine and len(mine) <= capacity:
+            y = self._whole_share(x, idx, mine)
+        if y is None:
+            y, waves = self._run_in_waves(x, idx, mine, capacity)
         try:
             y = self._shard.reduce(y)
             mx.eval(y)
@@ -185,6 +190,29 @@ class StreamingExperts(nn.Module):
             )
             tracer.counters.unique_experts += len(mine)
         return y
+
+    def _whole_share(self, x: mx.array, idx: np.ndarray, mine: list[int]) -> mx.array | None:
+        """This rank's share in mlx-lm's one call of the whole layer (where the kernels'
+        bits depend on the call's shape: a GPU). Other ranks' experts are computed on one
+        of this rank's pinned slots and then replaced by exact zeros, so the call has the
+        single machine's shape and each owned row its bits. None if this rank's experts
+        span several ring banks (the caller then runs them in parts)."""
+        assert self._shard is not None
+        lease = self._source.reserve(self.layer, mine)
+        try:
+            lease.wait()
+            located = [self._locate(s) for s in lease.slots]
+            if len({bank for bank, _ in located}) != 1:
+                return None
+            table = np.full(self.num_experts, located[0][1], dtype=np.uint32)
+            table[mine] = [local for _, local in located]
+            y = switch_call(self._inners[located[0][0]], x, mx.array(table[idx]), False)
+            owned = mx.array(self._shard.owned[idx])[..., None]  # [..., k, 1]
+            y = mx.where(owned, y, mx.zeros_like(y))
+            mx.eval(y)  # done reading the slots before they are released
+            return y
+        finally:
+            lease.release()
 
     def _observe(self, idx: np.ndarray) -> _Seen:
         """Count this call's routing (popularity, test hooks, the archive) and work out,
