@@ -62,9 +62,10 @@ class GroupAPI:
     def _my_io(self) -> list[int]:
         """This rank's row of ``rank_stats`` (ranks.io_by_rank reads it)."""
         s = self.scheduler.stats
-        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0]
+        mine = [s.hits, s.misses, s.bytes_read(), int(self.slots.wait_seconds * 1e6), 0, 0, 0]
         if self.ranks is not None:
-            mine[4:] = [self.ranks.sums, int(self.ranks.sum_seconds * 1e6)]
+            r = self.ranks
+            mine[4:] = [r.sums, int(r.sum_seconds * 1e6), r.sum_bytes]
         return mine
 
     def lead(self) -> None:

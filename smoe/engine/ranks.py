@@ -41,8 +41,9 @@ class Ranks:
         self.assignment = assignment
         self.watchdog = watchdog  # ends a collective that waits forever on a hung rank
         self._compute = compute  # the engine's ComputeThread
-        self.sums = 0  # layer sums over ranks run, and the seconds they took (waits included)
-        self.sum_seconds = 0.0
+        self.sums = 0  # layer sums over ranks run, the seconds they took (waits included),
+        self.sum_seconds = 0.0  # and the bytes each rank put in them
+        self.sum_bytes = 0
 
     @property
     def rank(self) -> int:
@@ -101,6 +102,7 @@ class Ranks:
             mx.eval(y)
         self.sums += 1
         self.sum_seconds += time.perf_counter() - start
+        self.sum_bytes += int(y.nbytes)
         return y
 
     def owned_counts(self) -> list[int]:
@@ -158,9 +160,9 @@ def check_vaults(facts: np.ndarray, size: int) -> None:
 
 def io_by_rank(rows: np.ndarray, owned: list[int]) -> list[dict[str, Any]]:
     """Rows of [hits, misses, bytes read, microseconds waiting for reads, sums over ranks,
-    microseconds in them] per rank, as reported."""
+    microseconds in them, bytes summed] per rank, as reported."""
     out = []
-    for rank, (hits, misses, read, wait_us, sums, sum_us) in enumerate(rows.tolist()):
+    for rank, (hits, misses, read, wait_us, sums, sum_us, summed) in enumerate(rows.tolist()):
         out.append(
             {
                 "rank": rank,
@@ -170,6 +172,7 @@ def io_by_rank(rows: np.ndarray, owned: list[int]) -> list[dict[str, Any]]:
                 "io_wait_s": wait_us / 1e6,
                 "collectives": sums,
                 "collective_s": sum_us / 1e6,
+                "collective_bytes": summed,
             }
         )
     return out
