@@ -422,6 +422,10 @@ def _serve_and_ask(argv_for_rank, tmp_path, ranks: int) -> tuple[list[str], list
             break
         except OSError:
             time.sleep(0.1)
+    # Idle, a following rank waits for rank 0's doorbell, not inside a (polling) collective.
+    before = [_cpu_seconds(p.pid) for p in procs]
+    time.sleep(2)
+    idle = [_cpu_seconds(p.pid) - b for p, b in zip(procs, before, strict=True)]
 
     def post(body: dict) -> str:
         req = urllib.request.Request(
@@ -448,8 +452,14 @@ def _serve_and_ask(argv_for_rank, tmp_path, ranks: int) -> tuple[list[str], list
     with urllib.request.urlopen(base + "/v1/smoe/stats", timeout=120) as r:
         stats = json.loads(r.read())  # idle: rank 0 runs an iteration for the gather
     texts.append(json.dumps([(x["rank"], x["bytes_read"] > 0) for x in stats.get("ranks", [])]))
+    texts.append(json.dumps([cpu < 0.5 for cpu in idle]))  # of 2 s
     procs[0].send_signal(signal.SIGINT)
     return texts, [(rc, err) for rc, _, err in finish(procs, timeout=120)]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_smoe_serve_across_two_ranks_answers_as_one_process(vault, tmp_path):
@@ -459,6 +469,7 @@ def test_smoe_serve_across_two_ranks_answers_as_one_process(vault, tmp_path):
     solo, (only,) = _serve_and_ask(argv, tmp_path / "one", 1)
     both, ranks = _serve_and_ask(argv + ["--distributed", "ring"], tmp_path / "two", 2)
     assert only[0] == 130, only[1][-2000:]  # SIGINT
+    assert solo.pop() == "[true]" and both.pop() == "[true, true]"  # idle: no busy wait
     assert solo.pop() == "[]" and both.pop() == "[[0, true], [1, true]]"  # per-rank /stats
     assert both == solo and len(set(solo)) > 1
     (rc0, err0), (rc1, err1) = ranks

@@ -246,7 +246,7 @@ async def _follow_rank0(engine: Any) -> bool:
     if engine.ranks is None:
         return False
     if engine.ranks.rank == 0:
-        engine.lead()
+        await engine.lead()
         return False
     print(f"rank {engine.ranks.rank} of {engine.ranks.size}: following rank 0", file=sys.stderr)
     await engine.follow()

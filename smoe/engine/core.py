@@ -257,6 +257,8 @@ class Engine(GroupAPI):
         """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
         if hasattr(self, "batcher"):
             await self.batcher.close()
+        if self.leader is not None:
+            await self.leader.bell.close()
         if hasattr(self, "compute"):
             await self.compute.close()
         if self.ranks is not None:

@@ -7,6 +7,7 @@ defined by ``Engine``; nothing else uses this class.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine.mirror import Follower, Leader, Sequences, follow
 from smoe.engine.ranks import Ranks, io_by_rank
 from smoe.errors import SmoeError
+from smoe.parallel.doorbell import Bell, Door, rank0_address
 
 if TYPE_CHECKING:
     from smoe.engine.batcher import Batcher
@@ -68,15 +70,26 @@ class GroupAPI:
             mine[4:] = [r.sums, int(r.sum_seconds * 1e6), r.sum_bytes]
         return mine
 
-    def lead(self) -> None:
+    async def lead(self) -> None:
         """Rank 0: from now on, announce every request to the other ranks, which run them
-        too (``follow``): for chat and serve, where only rank 0 hears the users. Work the
-        others cannot mirror is then refused (teacher-forced logits, conversation cache
-        saves and loads). SmoeError without ranks or on another rank."""
+        too (``follow``, which they call at the same time): for chat and serve, where only
+        rank 0 hears the users. Work the others cannot mirror is then refused (teacher-
+        forced logits, conversation cache saves and loads). SmoeError without ranks or on
+        another rank; GroupError if the others do not connect (parallel/doorbell.py)."""
         if self.ranks is None or self.ranks.rank != 0:
             raise SmoeError("only rank 0 of a distributed engine leads")
         ranks = self.ranks
-        self.leader = Leader(ranks.broadcast, Sequences(), lambda: ranks.gather(self._my_io()))
+        bell = await Bell.open(ranks.size - 1)
+        try:
+            where = {"host": rank0_address(), "port": bell.port}
+            async with self._lock:
+                await ranks.broadcast(json.dumps(where).encode())
+            await bell.wait_for_followers()
+        except BaseException:
+            await bell.close()
+            raise
+        gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
+        self.leader = Leader(ranks.broadcast, Sequences(), gather, bell)
         self.batcher.coordinator = self.leader
 
     async def follow(self) -> None:
@@ -90,8 +103,11 @@ class GroupAPI:
             return self.point(seq, ids, SamplingParams(**fields))[0]
 
         ranks = self.ranks
+        async with self._lock:
+            where = json.loads(await ranks.broadcast(None))
+        door = await Door.connect(str(where["host"]), int(where["port"]))
         gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
-        await follow(self.batcher, Follower(ranks.broadcast, prepare, gather))
+        await follow(self.batcher, Follower(ranks.broadcast, prepare, gather, door))
 
     def _refuse_while_leading(self, what: str) -> None:
         if self.leader is not None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from smoe.engine.batcher import Batcher, Ticket
 from smoe.errors import GroupError, SmoeError
+from smoe.parallel.doorbell import Bell, Door
 
 END = "end"
 
@@ -105,8 +106,10 @@ class Leader:
         exchange: Callable[[bytes | None], Any],
         sequences: Sequences,
         gather: Callable[[], Any],
+        bell: Bell,
     ) -> None:
         self._exchange = exchange  # async: rank 0's message on every rank
+        self.bell = bell  # rung before each message: the others wait for it at no cost
         self._gather = gather  # async: every rank's I/O row (engine.rank_stats)
         self.sequences = sequences
         self._gathers: list[asyncio.Future[Any]] = []  # rank_stats calls waiting
@@ -165,6 +168,7 @@ class Leader:
         gathers, self._gathers = self._gathers, []
         if gathers:
             changes.append({"kind": "gather"})
+        await self.bell.ring()
         await self._exchange(json.dumps(changes).encode())
         batcher.waiting.extend(new)
         if gathers:
@@ -180,6 +184,7 @@ class Leader:
     async def end(self, batcher: Batcher) -> None:
         """Tell the other ranks to stop (between iterations)."""
         if self.broken is None:
+            await self.bell.ring()
             await self._exchange(json.dumps([{"kind": END}]).encode())
 
     def check(self, batcher: Batcher) -> None:
@@ -201,8 +206,10 @@ class Follower:
         exchange: Callable[[bytes | None], Any],
         prepare: Callable[[Any, list[int], dict[str, Any]], Any],
         gather: Callable[[], Any],
+        door: Door,
     ) -> None:
         self._exchange = exchange
+        self._door = door  # rank 0 rings it before each message
         self._prepare = prepare  # compute thread: (sequence or None, ids, params) -> sequence
         self._gather = gather  # async: join rank 0's gather of every rank's I/O row
         self.sequences: dict[int, Any] = {}
@@ -211,8 +218,12 @@ class Follower:
     def pending(self) -> bool:
         return False  # a follower runs iterations when rank 0 announces them
 
+    async def close(self) -> None:
+        await self._door.close()
+
     async def start(self, batcher: Batcher) -> bool:
         """Wait for rank 0's next announcement and apply it; False at the group's end."""
+        await self._door.wait()  # idle here, in the event loop, not inside a collective
         changes = json.loads(bytes(await self._exchange(None)).decode())
         for change in changes:
             kind = change.pop("kind")
@@ -263,3 +274,4 @@ async def follow(batcher: Batcher, follower: Follower) -> None:
                         raise ticket.error
     finally:
         batcher.coordinator = None  # this rank decides alone again (closing, for one)
+        await follower.close()
