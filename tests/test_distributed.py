@@ -536,3 +536,42 @@ def test_smoe_chat_across_two_ranks_replies_as_one_process(vault, tmp_path):
     assert both == solo and solo
     assert rc0 == 0 and "not available while other ranks follow rank 0" in saved
     assert rc1 == 0 and "following rank 0" in err1, err1[-2000:]
+
+
+def test_a_dead_follower_makes_rank_0_answer_503_at_once(vault, tmp_path):
+    """Rank 0 sees a follower's doorbell connection close: the next request fails with a
+    503 and one log line naming the rank, at once (no collective with the dead rank)."""
+    import urllib.error
+    import urllib.request
+
+    port = _free_ports(1)[0]
+    args = ["-m", "smoe.cli", "serve", str(vault.path), "--slots", "6", "--port", str(port)]
+    rank0, rank1 = start_ranks(args + ["--distributed", "ring"], tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3}).encode()
+
+    def ask() -> int:
+        req = urllib.request.Request(
+            base + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert ask() == 200
+    rank1.kill()
+    rank1.wait()
+    time.sleep(0.5)  # the connection's end reaches rank 0's event loop
+    started = time.monotonic()
+    assert ask() == 503 and time.monotonic() - started < 5
+    rank0.send_signal(signal.SIGINT)
+    (rc, _, stderr), _ = finish([rank0, rank1], timeout=60)
+    assert rc == 130 and "rank 1 hung up" in stderr and "Traceback" not in stderr, stderr[-2000:]

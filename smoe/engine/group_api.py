@@ -105,7 +105,7 @@ class GroupAPI:
         ranks = self.ranks
         async with self._lock:
             where = json.loads(await ranks.broadcast(None))
-        door = await Door.connect(str(where["host"]), int(where["port"]))
+        door = await Door.connect(str(where["host"]), int(where["port"]), ranks.rank)
         gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
         await follow(self.batcher, Follower(ranks.broadcast, prepare, gather, door))
 

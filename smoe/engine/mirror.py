@@ -151,6 +151,7 @@ class Leader:
             raise GroupError(
                 f"the expert-parallel group stopped after a failure ({self.broken}); restart every rank"
             )
+        self.bell.check()  # before taking anything: the batcher fails what it holds
         changes: list[dict[str, Any]] = []
         new = list(batcher.incoming)
         batcher.incoming.clear()
@@ -183,7 +184,7 @@ class Leader:
 
     async def end(self, batcher: Batcher) -> None:
         """Tell the other ranks to stop (between iterations)."""
-        if self.broken is None:
+        if self.broken is None and self.bell.lost is None:  # else nobody is left to tell
             await self.bell.ring()
             await self._exchange(json.dumps([{"kind": END}]).encode())
 

@@ -41,14 +41,21 @@ class Bell:
         self._server = server
         self._followers = followers
         self._writers: list[asyncio.StreamWriter] = []
+        self._watchers: set[asyncio.Task[None]] = set()
         self._all_in = asyncio.Event()
+        # Why the group cannot go on: a rank hung up (its process died). Known at once
+        # here, where a collective with the dead rank might wait for the watchdog.
+        self.lost: str | None = None
 
     @classmethod
     async def open(cls, followers: int) -> Bell:
         bell: Bell
 
-        def accepted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             bell._writers.append(writer)
+            watcher = asyncio.get_running_loop().create_task(bell._watch(reader))
+            bell._watchers.add(watcher)
+            watcher.add_done_callback(bell._watchers.discard)
             if len(bell._writers) >= bell._followers:
                 bell._all_in.set()
 
@@ -71,7 +78,26 @@ class Bell:
                 "over TCP (firewall?)"
             ) from None
 
+    async def _watch(self, reader: asyncio.StreamReader) -> None:
+        """A follower sends its rank, then nothing: end of file means it is gone."""
+        rank = "?"
+        try:
+            head = await reader.readexactly(4)
+            rank = str(int.from_bytes(head, "big"))
+            await reader.read()  # until the connection closes
+        except (asyncio.IncompleteReadError, OSError):
+            pass
+        if self.lost is None:
+            self.lost = f"rank {rank} hung up (its process ended or lost its network)"
+
+    def check(self) -> None:
+        """GroupError if a follower is gone."""
+        if self.lost is not None:
+            raise GroupError(f"the expert-parallel group broke: {self.lost}; restart every rank")
+
     async def ring(self) -> None:
+        """Ring every follower; GroupError if one is gone."""
+        self.check()
         for writer in self._writers:
             writer.write(b"!")
         for writer in self._writers:
@@ -81,6 +107,8 @@ class Bell:
                 raise GroupError(f"a rank hung up ({e}); restart every rank") from None
 
     async def close(self) -> None:
+        for watcher in list(self._watchers):
+            watcher.cancel()
         for writer in self._writers:
             writer.close()
         self._server.close()
@@ -94,7 +122,7 @@ class Door:
         self._writer = writer
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> Door:
+    async def connect(cls, host: str, port: int, rank: int) -> Door:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), CONNECT_SECONDS
@@ -104,6 +132,8 @@ class Door:
                 f"cannot reach rank 0 at {host}:{port} ({e}); let the ranks reach one "
                 "another over TCP (firewall?)"
             ) from None
+        writer.write(rank.to_bytes(4, "big"))  # so that rank 0 can name us if we go
+        await writer.drain()
         return cls(reader, writer)
 
     async def wait(self) -> None:
