@@ -207,6 +207,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
+        "max_context": args.max_context,
+        "kv_bits": args.kv_bits,
         "device": args.device,
         "ring": args.ring,
         "policy": args.policy,
@@ -274,6 +276,21 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
     )
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="longest prompt + reply accepted (default: the model's own limit)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the KV cache to 4 or 8 bits (mlx-lm's; about 1/4 or 1/2 of its "
+        "memory, for long contexts): output matches mlx-lm with the same setting",
+    )
     p.add_argument(
         "--device",
         choices=("cpu", "gpu"),

@@ -81,6 +81,30 @@ class Sequence_:
         return max(0, len(self.tokens) - 1 - self.cached)
 
 
+def _check_quantizable(cache: list[Any]) -> None:
+    """SmoeError unless every layer keeps a full KV cache, the kind mlx-lm quantizes."""
+    from mlx_lm.models.cache import KVCache
+
+    from smoe.errors import SmoeError
+
+    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if kinds:
+        raise SmoeError(
+            f"--kv-bits needs a model whose layers all keep a full KV cache; this one has "
+            f"{', '.join(kinds)} layers (sliding windows or recurrent state), which mlx-lm "
+            "cannot quantize: leave --kv-bits out"
+        )
+
+
+def _empty_like(cache: Any) -> Any:
+    """An empty cache of ``cache``'s kind (a quantized one keeps its group size and bits)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    if isinstance(cache, QuantizedKVCache):
+        return QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    return type(cache)()
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -106,9 +130,17 @@ class Runner:
         tracer: Any = None,
         batchable: bool = False,
         resident: Callable[[], bool] | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         self.model = model
         self.chunk = chunk
+        # Quantized KV cache (mlx-lm's, from the first token: generate_step with
+        # quantized_kv_start=0): every cache is converted after the pass that fills it.
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        if kv_bits is not None:
+            _check_quantizable(self.new_cache())
         self.batchable = batchable  # step_batch runs one pass (see smoe.compute.rowwise)
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
         self.resident = resident
@@ -126,6 +158,14 @@ class Runner:
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
+    def _quantize(self, cache: list[Any]) -> None:
+        """After a pass: turn ``cache``'s float layers into quantized ones (in place), as
+        mlx-lm's generate_step does after each model call, so the arithmetic is its own."""
+        if self.kv_bits is not None:
+            from mlx_lm.generate import maybe_quantize_kv_cache
+
+            maybe_quantize_kv_cache(cache, 0, self.kv_group_size, self.kv_bits)
+
     def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
         """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
         out = []
@@ -133,6 +173,7 @@ class Runner:
         for start in range(0, len(tokens), self.chunk):
             piece = mx.array(tokens[start : start + self.chunk])[None]
             y = self.model(piece, cache=cache)
+            self._quantize(cache)
             if logits:
                 mx.eval(y)
                 out.append(y[0])
@@ -221,6 +262,7 @@ class Runner:
         self.settle(seq)
         self._phase(1)
         y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+        self._quantize(seq.cache)
         seq.cached = len(seq.tokens)
         out = np.array(y[0, -1].astype(mx.float32))
         self._counted()
@@ -230,7 +272,10 @@ class Runner:
         """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
         self.settle(seq)
         cache = self.new_cache()
-        for mine, theirs in zip(cache, seq.cache, strict=True):
+        self._quantize(cache)  # (an empty cache: quantized iff the sequence's is)
+        for i, (mine, theirs) in enumerate(zip(cache, seq.cache, strict=True)):
+            if type(mine) is not type(theirs):  # e.g. a quantized cache under kv_bits None
+                mine = cache[i] = _empty_like(theirs)
             if not theirs.empty():
                 mine.state = theirs.state
                 if hasattr(theirs, "meta_state"):
@@ -252,6 +297,7 @@ class Runner:
         self._phase(1)
         try:
             y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)  # [1, 1, V]
+            self._quantize(seq.cache)
             mx.eval(y)
             self._counted()
         except BaseException:
@@ -302,6 +348,7 @@ class Runner:
         """The lazy graph of one decode pass on ``last`` [1] and its sampled token [1]
         (``position``: the index the sampled token will have in ``seq.tokens``)."""
         y = self.model(last[None], cache=seq.cache)  # [1, 1, V]
+        self._quantize(seq.cache)
         return self._draw(seq, y[:, -1, :], position)
 
     def _queue(self, token: mx.array) -> Any:
@@ -347,6 +394,8 @@ class Runner:
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
         try:
             y = self.model(tokens, cache=caches)  # [B, 1, V]
+            for s in seqs:
+                self._quantize(s.cache)
             mx.eval(y)
             self._counted()
         except BaseException:

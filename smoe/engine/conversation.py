@@ -265,6 +265,7 @@ class Conversation:
             "model_type": self.engine.vault.manifest.shape.model_type,
             "system": json.dumps(self.system),
             "messages": json.dumps(self.messages),
+            "kv_bits": json.dumps(self.engine.options.kv_bits),
         }
         # What saves killed before left; a directory listing, off the event loop.
         await anyio.to_thread.run_sync(lambda: sweep_stale(path.parent, suffix=".safetensors"))
@@ -323,6 +324,15 @@ class Conversation:
             raise SmoeError(
                 f"{path} was saved with another model or dtype "
                 f"({meta.get('model_type')}); load it with the vault it was made with"
+            )
+        saved_bits = json.loads(meta.get("kv_bits", "null"))  # absent: saved before kv_bits
+        if saved_bits != engine.options.kv_bits:
+            # Its keys/values were computed (and rounded) another way than this engine's.
+            raise SmoeError(
+                f"{path} was saved with "
+                + (f"--kv-bits {saved_bits}" if saved_bits else "a full-precision KV cache")
+                + "; load it with an engine opened with "
+                + (f"--kv-bits {saved_bits}" if saved_bits else "no --kv-bits")
             )
         conv = cls(engine, json.loads(meta["system"]))
         conv.messages = json.loads(meta["messages"])

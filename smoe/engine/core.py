@@ -30,7 +30,7 @@ from smoe.engine.batcher import Batcher, Meter, Ticket
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.mirror import Leader, Request
-from smoe.engine.options import EngineOptions
+from smoe.engine.options import EngineOptions, kv_group_size
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import RingPlan, choose_device, current_device, plan_ring
@@ -112,6 +112,7 @@ class Engine(GroupAPI):
 
         m, o = self.vault.manifest, self.options
         o.check(m.shape.experts_per_token, m.num_experts)
+        self.kv_group_size = kv_group_size(self.vault.config()) if o.kv_bits else 64
         self._device = choose_device(o.device)
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         return plan_ring(
@@ -232,6 +233,8 @@ class Engine(GroupAPI):
             chunk=self.options.prefill_chunk,
             tracer=self.tracer,
             batchable=batchable,
+            kv_bits=self.options.kv_bits,
+            kv_group_size=self.kv_group_size,
             # Decode is built a step ahead only when a pass needs nothing from the host.
             resident=lambda: (
                 self.slots.all_resident(layers) and not self.tracer.needs_routing_now()

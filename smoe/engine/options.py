@@ -10,6 +10,8 @@ from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
+KV_BITS = (4, 8)  # quantized KV cache widths offered (mlx-lm's QuantizedKVCache, groups of 64)
+
 
 @dataclass
 class EngineOptions:
@@ -21,6 +23,7 @@ class EngineOptions:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
+    kv_bits: int | None = None  # quantized KV cache (mlx-lm): 4 or 8 bits; None: model dtype
     policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md; a "+hint"
     # suffix (lru+hint, lfu+hint, lru-layer+hint) feeds it the router's near misses
     hint_depth: int | None = None  # +hint: gate ranks top_k..hint_depth-1 (None: 4 x top_k)
@@ -49,6 +52,10 @@ class EngineOptions:
             raise SmoeError("workers must be at least 1")
         if self.read_parts is not None and self.read_parts < 1:
             raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
+        if self.max_context is not None and self.max_context < 2:
+            raise SmoeError("max_context must be at least 2 tokens (a prompt and a reply)")
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise SmoeError(f"kv_bits must be 4 or 8 (or left out), not {self.kv_bits}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise SmoeError(
                 f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16"
@@ -85,3 +92,18 @@ class EngineOptions:
         if self.hint_depth is not None:
             return self.hint_depth
         return default_hint_depth(top_k, num_experts)
+
+
+def kv_group_size(config: dict[str, Any]) -> int:
+    """The group a quantized KV cache rounds keys and values in: mlx-lm's 64 where the
+    heads' width allows, else 32 (e.g. heads of 32); SmoeError where neither divides it."""
+    if config.get("kv_lora_rank"):  # MLA (DeepSeek): keys are nope+rope wide, 64-multiples
+        return 64
+    width = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for group in (64, 32):
+        if width % group == 0:
+            return group
+    raise SmoeError(
+        f"--kv-bits needs attention heads whose width is a multiple of 32; this model's "
+        f"are {width} wide: leave --kv-bits out"
+    )
