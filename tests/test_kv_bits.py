@@ -147,6 +147,19 @@ def test_quantized_cache_is_smaller(model):
     assert four / full == pytest.approx((4 / 32 + 2 / 64) / 1, rel=0.01)
 
 
+def test_stats_report_the_kv_cache(vault):
+    """GenerationStats.kv_cache_bytes: what the request's cache took, 8 bits < float."""
+
+    async def run(bits):
+        async with Engine.open(vault, kv_bits=bits) as engine:
+            async for ev in engine.generate(PROMPT, max_tokens=2, temperature=0.0):
+                if ev.stats is not None:
+                    return ev.stats.kv_cache_bytes
+
+    full, eight = asyncio.run(run(None)), asyncio.run(run(8))
+    assert eight / full == pytest.approx(8 / 32 + 2 / 64, rel=0.01)
+
+
 def test_conversation_saved_with_other_kv_bits_is_refused(tmp_path):
     """On the demo model (a chat template; heads 32 wide: groups of 32)."""
     from smoe.chat.demo import demo_vault

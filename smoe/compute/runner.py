@@ -81,6 +81,11 @@ class Sequence_:
         return max(0, len(self.tokens) - 1 - self.cached)
 
 
+def cache_nbytes(seq: Sequence_) -> int:
+    """Bytes ``seq``'s KV cache holds (its allocated capacity, quantized or not)."""
+    return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
+
+
 def _check_quantizable(cache: list[Any]) -> None:
     """SmoeError unless every layer keeps a full KV cache, the kind mlx-lm quantizes."""
     from mlx_lm.models.cache import KVCache

@@ -25,6 +25,7 @@ class GenerationStats:
     decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
     decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
     decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)
+    kv_cache_bytes: int = 0  # the sequence's KV cache at the end (allocated; see --kv-bits)
     compute_dtype: str = ""  # e.g. "float32": equal to mlx-lm's run in this same dtype
 
     def to_json(self) -> dict[str, Any]:

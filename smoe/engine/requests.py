@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from smoe.compute.runner import cache_nbytes
 from smoe.engine.batcher import End, Failed, Ticket
 from smoe.engine.events import Event, GenerationStats
 
@@ -79,6 +80,8 @@ def request_stats(ticket: Ticket, stats: GenerationStats, t_first: float | None)
     if ticket.batch_sizes:
         stats.decode_batch_mean = sum(ticket.batch_sizes) / len(ticket.batch_sizes)
     stats.bytes_read = pre.bytes_read + dec.bytes_read
+    if ticket.seq is not None:  # (sizes only: no MLX array is read or evaluated)
+        stats.kv_cache_bytes = cache_nbytes(ticket.seq)
     stats.hits, stats.misses = pre.hits + dec.hits, pre.misses + dec.misses
     asked = stats.hits + stats.misses
     stats.hit_rate = stats.hits / asked if asked else 0.0
