@@ -12,7 +12,6 @@ ratios to the float cache of the same round.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
