@@ -78,7 +78,7 @@ class ToolCallSplitter:
         self._state, rest, state = self._machine.flush(self._state)
         plain, calls = self._segments([(state, rest)])
         if self._in_call:  # no end marker (a format without one, or cut short)
-            more, call = self._close()
+            more, call = self._close(closed=False)
             plain += more
             calls += call
         return plain, calls
@@ -91,20 +91,21 @@ class ToolCallSplitter:
                 self._call_text += text
                 continue
             if self._in_call:  # the call's end marker was passed
-                more, call = self._close()
+                more, call = self._close(closed=True)
                 plain += more
                 calls += call
             plain += text
         return plain, calls
 
-    def _close(self) -> tuple[str, list[ToolCall]]:
+    def _close(self, closed: bool) -> tuple[str, list[ToolCall]]:
+        """The call's text parsed; ``closed``: its end marker was seen (and stripped)."""
         text, self._call_text, self._in_call = self._call_text, "", False
         try:
             parsed = self._parser(text, self._tools)
             calls = [_tool_call(p) for p in (parsed if isinstance(parsed, list) else [parsed])]
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             log.warning("a tool call the model's parser refused is sent as text: %s", e)
-            return f"{self._start}{text}{self._end or ''}", []
+            return f"{self._start}{text}{self._end if closed else ''}", []
         return "", calls
 
 
