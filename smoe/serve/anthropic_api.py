@@ -258,7 +258,7 @@ class AnthropicFormat(Format):
         return sse(data, data["type"])
 
     def opening(self, prompt: int, reused: int) -> list[bytes]:
-        message = {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",

@@ -40,7 +40,6 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from jinja2 import TemplateError
 
-from smoe.compute.model import compute_dtype_note
 from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine import Engine
 from smoe.errors import SmoeError
@@ -56,6 +55,7 @@ from smoe.serve.completion import (
     stream_failure,
 )
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
+from smoe.serve.stats import server_stats
 from smoe.serve.stops import StopMatcher
 from smoe.serve.tools import ToolCallSplitter, check_tool_support
 from smoe.serve.validate import Limits, validate_request
@@ -126,6 +126,11 @@ def error_json(path: str, e: ApiError) -> dict[str, Any]:
     return openai_api.error_json(e)
 
 
+def error_response(path: str, e: ApiError) -> web.Response:
+    """``e`` as the response of the API that ``path`` belongs to."""
+    return web.json_response(error_json(path, e), status=e.status)
+
+
 class Server:
     """The HTTP front of one engine."""
 
@@ -160,7 +165,7 @@ class Server:
         try:
             response = await handler(request)
         except ApiError as e:
-            response = web.json_response(error_json(request.path, e), status=e.status)
+            response = error_response(request.path, e)
             if e.status == 408:  # the body stalled: answer, then close at once (else
                 # aiohttp waits up to 10 s more for the body before closing)
                 response.headers["X-Request-Id"] = rid
@@ -170,13 +175,13 @@ class Server:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            error = http_error(request, e, self.options.max_body_bytes)
-            response = web.json_response(error_json(request.path, error), status=error.status)
+            response = error_response(
+                request.path, http_error(request, e, self.options.max_body_bytes)
+            )
         except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
             raise
         except Exception as e:  # not the request's fault: keep serving, tell no internals
-            error = failure(e, rid)
-            response = web.json_response(error_json(request.path, error), status=error.status)
+            response = error_response(request.path, failure(e, rid))
         if not response.prepared:  # a stream has sent its headers already, with the id
             response.headers["X-Request-Id"] = rid
         return response
@@ -214,43 +219,7 @@ class Server:
         )
 
     async def stats(self, request: web.Request) -> web.Response:
-        sched, batcher = self.engine.scheduler, self.engine.batcher
-        # Across ranks: every rank's I/O, gathered at the next iteration (docs/distributed.md).
-        ranks = await self.engine.rank_stats() if self.engine.ranks is not None else None
-        return web.json_response(
-            {
-                **({"ranks": ranks} if ranks is not None else {}),
-                "scheduler": sched.stats.to_json(),
-                "ring": {"slots": sched.num_slots, "filled": sched.fill()},
-                "queues": {
-                    "demand": sched.queue_depth(0),
-                    "speculative": sched.queue_depth(1),
-                    "in_flight": sched.in_flight,
-                },
-                "batch": {
-                    "active": len(batcher.active),
-                    "waiting": batcher.queued,
-                    "max_batch": batcher.max_batch,
-                    "steps": batcher.steps,
-                    "mean_rows_per_step": batcher.step_rows / batcher.steps
-                    if batcher.steps
-                    else 0.0,
-                },
-                "prefix_reused_tokens": self.reused_tokens,
-                "prefilled_tokens": self.prefilled_tokens,
-                # exactness claims hold for a dtype: say which, and why (docs/api.md)
-                "compute_dtype": compute_dtype_note(
-                    self.engine.vault, self.engine.dtype, self.engine.options.dtype is not None
-                ),
-                "prefix_cache": {
-                    "sequences": len(self.cache.entries),
-                    "bytes": self.cache.nbytes(),
-                    "max_bytes": self.cache.max_bytes,
-                    "replies": sum(e.reply is not None for e in self.cache.entries),
-                    "reply_follow_ups": self.reply_follow_ups,
-                },
-            }
-        )
+        return web.json_response(await server_stats(self))
 
     # ------------------------------------------------------------- completions
     @property
@@ -341,8 +310,10 @@ class Server:
         )
         try:
             # A reply of ours sent back verbatim: continue from the ids it was generated as
-            follow = self.cache.follow_up(tok, cast(list[dict[str, str]], messages))
-            ids = follow if plain else None
+            follow = (
+                self.cache.follow_up(tok, cast(list[dict[str, str]], messages)) if plain else None
+            )
+            ids = follow
             if ids is None:
                 extra = {"tools": tools} if tools else {}
                 ids = tok.apply_chat_template(

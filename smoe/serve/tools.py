@@ -14,7 +14,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from smoe.serve.api_error import ApiError
 
@@ -60,8 +60,8 @@ class ToolCallSplitter:
             "normal": [(self._start, "tool")],
             "tool": [(self._end, "normal")] if self._end else [],
         }
-        self._machine = TextStateMachine
-        self._state = TextStateMachine(transitions).make_state("normal")
+        self._machine: Any = cast(Any, TextStateMachine)  # untyped; its state: a tuple
+        self._state: Any = self._machine(transitions).make_state("normal")
         self._parser = tok.tool_parser
         self._tools = tools
         self._call_text = ""
