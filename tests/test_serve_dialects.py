@@ -306,3 +306,99 @@ async def test_a_model_without_tools_refuses_them_in_every_dialect(vault):
             model="smoe", messages=user, tools=[tool], tool_choice="none", max_tokens=2
         )
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+VALID = {
+    "/v1/messages": {
+        "max_tokens": 2,
+        "system": [{"type": "text", "text": "x"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"k": 1}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}],
+            },
+        ],
+        "stop_sequences": ["zz"],
+        "top_k": 3,
+    },
+    "/api/chat": {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+            },
+            {"role": "tool", "content": "r", "tool_name": "f"},
+        ],
+        "options": {"num_predict": 2, "stop": ["zz"], "top_k": 3, "seed": 1},
+        "stream": False,
+    },
+    "/api/generate": {"prompt": "a", "system": "s", "options": {"num_predict": 2}, "stream": False},
+}
+POOL = [
+    None,
+    True,
+    0,
+    -1,
+    1.5,
+    2**64,
+    "",
+    "x",
+    [],
+    [1],
+    ["a"],
+    [{}],
+    {},
+    {"type": "text"},
+    {"role": "user"},
+]
+
+
+def mutate(rng: Any, value: Any, depth: int = 0) -> Any:
+    """``value`` with one random leaf, key or element replaced, dropped or added."""
+    if isinstance(value, dict) and value and depth < 4 and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        op = rng.randrange(3)
+        if op == 0:
+            return {k: v for k, v in value.items() if k != key}
+        if op == 1:
+            return {**value, key: rng.choice(POOL)}
+        return {**value, key: mutate(rng, value[key], depth + 1)}
+    if isinstance(value, list) and value and depth < 4 and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return [*value[:i], mutate(rng, value[i], depth + 1), *value[i + 1 :]]
+    return rng.choice(POOL)
+
+
+async def test_malformed_anthropic_and_ollama_requests_get_a_4xx_in_their_shape(vault, caplog):
+    """Seeded mutations of valid bodies: never a 5xx, and every error in the route's shape."""
+    import random
+
+    rng = random.Random(17)
+    async with (
+        Engine.open(vault.path, max_context=64) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        statuses: dict[int, int] = {}
+        for i in range(120):
+            path = list(VALID)[i % len(VALID)]
+            body = mutate(rng, VALID[path])
+            async with http.post(srv.base + path, json=body) as r:
+                raw = await r.read()
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+            assert r.status < 500, (path, body, raw)
+            if r.status >= 400:
+                got = json.loads(raw)
+                if path == "/v1/messages":
+                    assert got["type"] == "error" and got["error"]["message"], body
+                else:
+                    assert list(got) == ["error"] and isinstance(got["error"], str), body
+        assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 20  # both kinds were sent
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
