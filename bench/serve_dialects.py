@@ -6,7 +6,7 @@ Starts the server in-process on a free port and streams one chat request per API
 (OpenAI /v1/chat/completions, Anthropic /v1/messages, Ollama /api/chat) over raw HTTP
 (aiohttp), rotating which API goes first each round (ABC, BCA, CAB, ...). Prefix reuse is
 off, so every request prefills its whole prompt. Prints JSON: per API the median time to
-the first text and to the end, the tokens generated, and ``same_text``: whether every API
+the first text and to the end (and the least time to the end), the tokens generated, and ``same_text``: whether every API
 returned the same reply in every round (they must: the same prompt, greedy).
 """
 
@@ -114,6 +114,7 @@ async def main() -> None:
             api: {
                 "median_ttft_s": round(statistics.median(t[0] for t in times[api]), 4),
                 "median_total_s": round(statistics.median(t[1] for t in times[api]), 4),
+                "min_total_s": round(min(t[1] for t in times[api]), 4),
             }
             for api in apis
         },
