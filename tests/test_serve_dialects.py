@@ -135,7 +135,7 @@ async def test_anthropic_event_sequence_and_stop_sequences(vault):
         assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", cut)
 
 
-async def test_anthropic_errors_and_keys(vault):
+async def test_anthropic_errors_and_keys_and_ollama_keys(vault):
     options = ServerOptions(api_key="secret")
     async with (
         Engine.open(vault.path) as engine,
@@ -182,6 +182,12 @@ async def test_anthropic_errors_and_keys(vault):
         async with http.post(srv.base + "/v1/messages", json={}) as r:  # no key
             assert r.status == 401
             assert (await r.json())["error"]["type"] == "authentication_error"
+        # Ollama's client sends the key as a Bearer header, as OpenAI's does
+        listed = await srv.ollama(Authorization="Bearer secret").list()
+        assert [m.model for m in listed.models] == ["smoe"]
+        with pytest.raises(ollama.ResponseError) as e:
+            await srv.ollama().list()
+        assert e.value.status_code == 401 and "API key" in e.value.error
 
 
 async def test_ollama_chat_and_generate_equal_the_engine(vault):
@@ -402,3 +408,42 @@ async def test_malformed_anthropic_and_ollama_requests_get_a_4xx_in_their_shape(
                     assert list(got) == ["error"] and isinstance(got["error"], str), body
         assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 20  # both kinds were sent
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
+
+
+async def test_a_failing_generation_is_reported_in_each_dialect(vault):
+    """The disk failing mid-request: a 503 in the route's shape, or, once streaming, the
+    API's own error event last (Anthropic's ``event: error``, Ollama's ``{"error"}`` line),
+    naming a request id and not the error."""
+    from tests.fakes import FailingReads
+
+    async with (
+        Engine.open(vault.path, slots=4) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        disk = engine.scheduler.wrap_backend(FailingReads)
+        disk.failing = True
+        user = [{"role": "user", "content": USER}]
+        anthropic_body = {"max_tokens": 3, "messages": user}
+        async with http.post(srv.base + "/v1/messages", json=anthropic_body) as r:
+            got = await r.json()
+            assert r.status == 503 and got["error"]["type"] == "overloaded_error"
+            assert r.headers["X-Request-Id"] in got["error"]["message"]
+        async with http.post(
+            srv.base + "/v1/messages", json={**anthropic_body, "stream": True}
+        ) as r:
+            events = (await r.read()).decode().strip().split("\n\n")
+        assert events[0].startswith("event: message_start")
+        assert events[-1].startswith("event: error\ndata: ") and "disk gone" not in events[-1]
+        assert json.loads(events[-1].split("data: ")[1])["error"]["type"] == "overloaded_error"
+
+        async with http.post(srv.base + "/api/chat", json={"messages": user, "stream": False}) as r:
+            got = await r.json()
+            assert r.status == 503 and r.headers["X-Request-Id"] in got["error"]
+        with pytest.raises(ollama.ResponseError) as e:
+            async for _ in await srv.ollama().chat(model="smoe", messages=user, stream=True):
+                pass
+        assert "request id" in e.value.error and "disk gone" not in e.value.error
+        disk.failing = False
+        ok = await srv.ollama().chat(model="smoe", messages=user, options={"num_predict": 2})
+        assert ok.done

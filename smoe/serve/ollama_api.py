@@ -15,6 +15,7 @@ import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from aiohttp import web
 
 from smoe import __version__
@@ -181,7 +182,8 @@ def routes(server: Server) -> list[web.RouteDef]:
         return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
 
     async def tags(request: web.Request) -> web.Response:
-        return web.json_response({"models": [{"name": name, **_model(server)}]})
+        model = await anyio.to_thread.run_sync(_model, server)  # stats the vault's files
+        return web.json_response({"models": [{"name": name, **model}]})
 
     async def show_model(request: web.Request) -> web.Response:
         await server.read_body(request)  # checked; the server has one model
@@ -189,18 +191,19 @@ def routes(server: Server) -> list[web.RouteDef]:
         template = getattr(tok, "chat_template", None) if tok is not None else None
         tools = tok is not None and bool(getattr(tok, "has_tool_calling", False))
         family = server.engine.vault.manifest.shape.model_type
+        model = await anyio.to_thread.run_sync(_model, server)
         return web.json_response(
             {
                 "modelfile": "",
                 "parameters": "",
                 "template": template if isinstance(template, str) else "",
-                "details": _model(server)["details"],
+                "details": model["details"],
                 "model_info": {
                     "general.architecture": family,
                     "general.context_length": server.engine.max_context,
                 },
                 "capabilities": ["completion", *(["tools"] if tools else [])],
-                "modified_at": _model(server)["modified_at"],
+                "modified_at": model["modified_at"],
             }
         )
 

@@ -44,6 +44,16 @@ def check_tool_support(tok: Any, param: str = "tools") -> None:
             param=param,
             code="unsupported_value",
         )
+    formats = getattr(tok, "response_transitions", None) or {}
+    if any(dst == "tool" for edges in formats.values() for _, dst in edges):
+        raise ApiError(  # mlx-lm's response formats (muse_spark): calls found by channel
+            400,
+            f"Unsupported value: '{param}': this model marks its tool calls with a response "
+            "format (mlx-lm's chat_templates) that this server does not split yet; send "
+            "the request without tools.",
+            param=param,
+            code="unsupported_value",
+        )
 
 
 class ToolCallSplitter:
