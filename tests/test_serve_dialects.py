@@ -86,6 +86,12 @@ async def test_anthropic_messages_equal_the_engine_plain_and_streamed(vault):
         assert "".join(pieces) == want and final.content[0].text == want
         assert final.usage.output_tokens == count and final.stop_reason == m.stop_reason
 
+        # and OpenAI's route gives the same reply to the same messages
+        o = await srv.client().chat.completions.create(
+            model="smoe", messages=MESSAGES, max_tokens=12, temperature=0
+        )
+        assert o.choices[0].message.content == want and o.usage.prompt_tokens == len(ids)
+
         counted = await c.messages.count_tokens(
             model="smoe", system=SYSTEM, messages=kw["messages"]
         )
