@@ -72,49 +72,58 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any
         content = required(message, where, "content", ("string", "array"))
         if isinstance(content, str):
             out.append({"role": role, "content": content})
-            continue
-        texts, calls = [], []
-        for j, block in enumerate(content):
-            at = f"{where}.content[{j}]"
-            if not isinstance(block, dict):
-                raise wrong_type(at, ("object",), block)
-            kind = block.get("type")
-            if kind == "text":
-                texts.append(required(block, at, "text", ("string",)))
-            elif kind == "tool_use" and role == "assistant":
-                calls.append(
-                    {
-                        "id": required(block, at, "id", ("string",)),
-                        "type": "function",
-                        "function": {
-                            "name": required(block, at, "name", ("string",)),
-                            "arguments": required(block, at, "input", ("object",)),
-                        },
-                    }
-                )
-            elif kind == "tool_result" and role == "user":
-                result = block.get("content", "")
-                if not isinstance(result, (str, list)):
-                    raise wrong_type(f"{at}.content", ("string", "array"), result)
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": required(block, at, "tool_use_id", ("string",)),
-                        "content": check_text(f"{at}.content", result, limits),
-                    }
-                )
-            else:
-                raise ApiError(
-                    400,
-                    f"Invalid '{at}.type': this server takes text, tool_use (assistant) and "
-                    f"tool_result (user) blocks, but got {show(kind)} in a {role} message.",
-                    param=f"{at}.type",
-                )
-        if texts or calls or role == "assistant":
-            turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
-            if calls:
-                turn["tool_calls"] = calls
-            out.append(turn)
+        else:
+            out += _blocks(f"{where}.content", role, content, limits)
+    return out
+
+
+def _blocks(where: str, role: str, blocks: list[Any], limits: Limits) -> list[dict[str, Any]]:
+    """One message's content blocks as template messages: each tool result a ``tool``
+    message, then the text and (an assistant's) ``tool_calls`` as one turn."""
+    out: list[dict[str, Any]] = []
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if not isinstance(block, dict):
+            raise wrong_type(at, ("object",), block)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(required(block, at, "text", ("string",)))
+        elif kind == "tool_use" and role == "assistant":
+            function = {
+                "name": required(block, at, "name", ("string",)),
+                "arguments": required(block, at, "input", ("object",)),
+            }
+            calls.append(
+                {
+                    "id": required(block, at, "id", ("string",)),
+                    "type": "function",
+                    "function": function,
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            if not isinstance(result, (str, list)):
+                raise wrong_type(f"{at}.content", ("string", "array"), result)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": required(block, at, "tool_use_id", ("string",)),
+                    "content": check_text(f"{at}.content", result, limits),
+                }
+            )
+        else:
+            raise ApiError(
+                400,
+                f"Invalid '{at}.type': this server takes text, tool_use (assistant) and "
+                f"tool_result (user) blocks, but got {show(kind)} in a {role} message.",
+                param=f"{at}.type",
+            )
+    if texts or calls or role == "assistant":
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
     return out
 
 
