@@ -47,3 +47,19 @@ class Running:
         c = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
         self.clients.append(c)
         return c
+
+    def anthropic(self, key: str = "secret") -> Any:
+        """An Anthropic client of this server (it sends the key as ``x-api-key``)."""
+        import anthropic
+
+        c = anthropic.AsyncAnthropic(base_url=self.base, api_key=key, max_retries=0)
+        self.clients.append(c)
+        return c
+
+    def ollama(self, **headers: str) -> Any:
+        """An Ollama client of this server."""
+        import ollama
+
+        c = ollama.AsyncClient(host=self.base, headers=headers)
+        self.clients.append(c)
+        return c

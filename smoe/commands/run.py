@@ -386,7 +386,7 @@ def add_chat(sub: Any) -> None:
 
 def add_serve(sub: Any) -> None:
     """`smoe serve` and its options."""
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    sv = sub.add_parser("serve", help="an HTTP server: OpenAI, Anthropic Messages and Ollama APIs")
     sv.add_argument("vault", type=Path)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     sv.add_argument("--port", type=int, default=8000)

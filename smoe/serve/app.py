@@ -1,12 +1,16 @@
-"""`smoe serve`: an OpenAI-compatible HTTP server (aiohttp on uvloop) over one Engine.
+"""`smoe serve`: an OpenAI-, Anthropic- and Ollama-compatible HTTP server (aiohttp on
+uvloop) over one Engine.
 
 Endpoints: POST /v1/chat/completions (JSON or server-sent events), POST /v1/completions,
-GET /v1/models, GET /health, GET /v1/smoe/stats. Errors use OpenAI's error format: a 4xx
-naming the field for a bad request (smoe/serve/body.py checks the body, validate.py every
-field), 503 when the engine cannot serve (its vault or disk failing), 500 only for a bug of
-ours; a 5xx tells the client a request id, never internals, and the server log has the
-details (smoe/serve/api_error.py). This module holds the app, its routes and middleware;
-smoe/serve/completion.py builds each answer (JSON or events).
+GET /v1/models, GET /health, GET /v1/smoe/stats; Anthropic's POST /v1/messages
+(smoe/serve/anthropic_api.py) and Ollama's /api/chat, /api/generate, /api/tags
+(smoe/serve/ollama_api.py). Every API goes through one pipeline: its request checked into
+the same fields, the prompt's ids (the chat template, with tools), ``answer`` (the engine's
+events into a ``Completion``), and the API's ``Format`` for the body or the stream's events.
+Errors take the shape of the route's API: a 4xx naming the field for a bad request
+(smoe/serve/body.py checks the body, validate.py every field), 503 when the engine cannot
+serve (its vault or disk failing), 500 only for a bug of ours; a 5xx tells the client a
+request id, never internals, and the server log has the details (smoe/serve/api_error.py).
 
 Concurrent requests are decoded together by the engine's batcher (one step advances every
 active request; per MoE layer the union of their experts is read once), with results
@@ -29,29 +33,31 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from jinja2 import TemplateError
 
-from smoe.compute.model import compute_dtype_note
 from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine import Engine
 from smoe.errors import SmoeError
+from smoe.serve import anthropic_api, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
 from smoe.serve.body import MAX_BODY_BYTES, check_content_type, parse_body
 from smoe.serve.completion import (
     Completion,
+    Format,
     end_stream,
     open_stream,
-    send_event,
+    send,
     stream_failure,
-    usage,
 )
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
+from smoe.serve.stats import server_stats
 from smoe.serve.stops import StopMatcher
+from smoe.serve.tools import ToolCallSplitter, check_tool_support
 from smoe.serve.validate import Limits, validate_request
 
 __all__ = ["Server", "ServerOptions", "serve"]
@@ -111,6 +117,20 @@ class _Turn:
     continued: bool = False
 
 
+def error_json(path: str, e: ApiError) -> dict[str, Any]:
+    """``e`` in the error shape of the API that ``path`` belongs to."""
+    if path.startswith("/v1/messages"):
+        return anthropic_api.error_json(e)
+    if path.startswith("/api/"):
+        return ollama_api.error_json(e)
+    return openai_api.error_json(e)
+
+
+def error_response(path: str, e: ApiError) -> web.Response:
+    """``e`` as the response of the API that ``path`` belongs to."""
+    return web.json_response(error_json(path, e), status=e.status)
+
+
 class Server:
     """The HTTP front of one engine."""
 
@@ -132,6 +152,8 @@ class Server:
                 web.get("/v1/smoe/stats", self.stats),
                 web.post("/v1/chat/completions", self.chat),
                 web.post("/v1/completions", self.completions),
+                *anthropic_api.routes(self),
+                *ollama_api.routes(self),
             ]
         )
 
@@ -143,7 +165,7 @@ class Server:
         try:
             response = await handler(request)
         except ApiError as e:
-            response = e.response()
+            response = error_response(request.path, e)
             if e.status == 408:  # the body stalled: answer, then close at once (else
                 # aiohttp waits up to 10 s more for the body before closing)
                 response.headers["X-Request-Id"] = rid
@@ -153,11 +175,13 @@ class Server:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            response = http_error(request, e, self.options.max_body_bytes).response()
+            response = error_response(
+                request.path, http_error(request, e, self.options.max_body_bytes)
+            )
         except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
             raise
         except Exception as e:  # not the request's fault: keep serving, tell no internals
-            response = failure(e, rid).response()
+            response = error_response(request.path, failure(e, rid))
         if not response.prepared:  # a stream has sent its headers already, with the id
             response.headers["X-Request-Id"] = rid
         return response
@@ -165,7 +189,10 @@ class Server:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.options.api_key
-        authorized = request.headers.get("Authorization", "") == f"Bearer {key}"
+        authorized = (  # OpenAI's and Ollama's clients send a Bearer key, Anthropic's x-api-key
+            request.headers.get("Authorization", "") == f"Bearer {key}"
+            or request.headers.get("x-api-key", "") == key
+        )
         if key and request.path != "/health" and not authorized:
             raise ApiError(
                 401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
@@ -192,47 +219,21 @@ class Server:
         )
 
     async def stats(self, request: web.Request) -> web.Response:
-        sched, batcher = self.engine.scheduler, self.engine.batcher
-        # Across ranks: every rank's I/O, gathered at the next iteration (docs/distributed.md).
-        ranks = await self.engine.rank_stats() if self.engine.ranks is not None else None
-        return web.json_response(
-            {
-                **({"ranks": ranks} if ranks is not None else {}),
-                "scheduler": sched.stats.to_json(),
-                "ring": {"slots": sched.num_slots, "filled": sched.fill()},
-                "queues": {
-                    "demand": sched.queue_depth(0),
-                    "speculative": sched.queue_depth(1),
-                    "in_flight": sched.in_flight,
-                },
-                "batch": {
-                    "active": len(batcher.active),
-                    "waiting": batcher.queued,
-                    "max_batch": batcher.max_batch,
-                    "steps": batcher.steps,
-                    "mean_rows_per_step": batcher.step_rows / batcher.steps
-                    if batcher.steps
-                    else 0.0,
-                },
-                "prefix_reused_tokens": self.reused_tokens,
-                "prefilled_tokens": self.prefilled_tokens,
-                # exactness claims hold for a dtype: say which, and why (docs/api.md)
-                "compute_dtype": compute_dtype_note(
-                    self.engine.vault, self.engine.dtype, self.engine.options.dtype is not None
-                ),
-                "prefix_cache": {
-                    "sequences": len(self.cache.entries),
-                    "bytes": self.cache.nbytes(),
-                    "max_bytes": self.cache.max_bytes,
-                    "replies": sum(e.reply is not None for e in self.cache.entries),
-                    "reply_follow_ups": self.reply_follow_ups,
-                },
-            }
-        )
+        return web.json_response(await server_stats(self))
 
     # ------------------------------------------------------------- completions
+    @property
+    def limits(self) -> Limits:
+        """What a request may ask of this model (the vocabulary, the longest reply)."""
+        return Limits(vocab=self.vocab, max_tokens=min(MAX_TOKENS_LIMIT, self.engine.max_context))
+
     async def _request(self, request: web.Request, endpoint: str) -> dict[str, Any]:
         """The request's fields, validated (smoe/serve/validate.py); ApiError 4xx if not."""
+        return validate_request(await self.read_body(request), endpoint, self.limits)
+
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object, its media type, size, arrival time and syntax checked
+        (smoe/serve/body.py); ApiError 4xx if not."""
         check_content_type(request.headers.get("Content-Type"))
         try:
             with anyio.fail_after(self.options.body_timeout_s):
@@ -243,9 +244,7 @@ class Server:
                 f"the request body did not arrive within {self.options.body_timeout_s:g} s",
                 code="request_timeout",
             ) from None
-        body = parse_body(raw)
-        limit = min(MAX_TOKENS_LIMIT, self.engine.max_context)
-        return validate_request(body, endpoint, Limits(vocab=self.vocab, max_tokens=limit))
+        return parse_body(raw)
 
     def _options(self, fields: dict[str, Any], prompt: int, chat: bool) -> RequestOptions:
         """The generation settings of validated ``fields`` for a ``prompt`` of so many
@@ -288,16 +287,38 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         fields = await self._request(request, "chat")
+        tools = fields["tools"] if fields["tool_choice"] != "none" else []
+        ids, turn = self.template(fields["messages"], tools)
+        return await self.answer(
+            request, fields, ids, openai_api.OpenAIFormat, chat=True, turn=turn, tools=tools
+        )
+
+    def template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], param: str = "tools"
+    ) -> tuple[list[int], _Turn | None]:
+        """The prompt's ids for chat ``messages`` (and ``tools``, OpenAI's form) through
+        the model's chat template, and the turn the prefix cache may keep (plain chats
+        only). ApiError 400 when the model has no tokenizer, cannot call tools (``param``
+        names the field) or its template refuses the messages."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
-        messages: list[dict[str, str]] = fields["messages"]
+        if tools:
+            check_tool_support(tok, param)
+        plain = not tools and all(
+            m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
+        )
         try:
             # A reply of ours sent back verbatim: continue from the ids it was generated as
-            follow = self.cache.follow_up(tok, messages)
+            follow = (
+                self.cache.follow_up(tok, cast(list[dict[str, str]], messages)) if plain else None
+            )
             ids = follow
             if ids is None:
-                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                extra = {"tools": tools} if tools else {}
+                ids = tok.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, **extra
+                )
         except TemplateError as e:  # the model's template refuses them (e.g. role order)
             raise ApiError(
                 400,
@@ -306,29 +327,38 @@ class Server:
                 code="invalid_value",
             ) from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        turn = _Turn(messages, continued=follow is not None)
-        return await self._complete(request, fields, ids, chat=True, turn=turn)
+        turn = _Turn(cast(list[dict[str, str]], messages), continued=follow is not None)
+        return ids, turn if plain else None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         fields = await self._request(request, "completions")
         prompt = fields["prompt"]
-        if isinstance(prompt, str):
-            try:
-                ids = self.engine.encode(prompt)
-            except SmoeError as e:  # no tokenizer: the client must send token ids
-                raise ApiError(400, str(e), param="prompt") from None
-        else:
-            ids = prompt
-        return await self._complete(request, fields, ids, chat=False)
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self.answer(request, fields, ids, openai_api.OpenAIFormat, chat=False)
 
-    async def _complete(
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids as the tokenizer gives them; ApiError 400 if there is none."""
+        try:
+            return self.engine.encode(text)
+        except SmoeError as e:  # no tokenizer: the client must send token ids
+            raise ApiError(400, str(e), param="prompt") from None
+
+    async def answer(
         self,
         request: web.Request,
         fields: dict[str, Any],
         ids: list[int],
+        format_: type[Format],
         chat: bool,
         turn: _Turn | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> web.StreamResponse:
+        """Generate for ``ids`` with the settings of validated ``fields`` and answer in
+        ``format_``: its JSON body, or its stream of events as the tokens come. ``turn``:
+        a plain chat's messages (the prefix cache may keep its reply); ``tools``: the
+        request's tools (the model's calls are parsed out of its text). ApiError 400 if
+        the prompt is empty or too long for the context, 429 if the queue is full; a
+        failure once streaming goes to the client as the format's error event."""
         if not ids:  # a text that tokenizes to nothing
             raise ApiError(400, "Invalid 'prompt': it encodes to no tokens.", param="prompt")
         opts = self._options(fields, len(ids), chat)
@@ -336,18 +366,20 @@ class Server:
         ids = self.engine.check_prompt(ids, extra=opts.max_tokens)
         if self.engine.batcher.queued >= self.options.max_queue:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        return await self._run(request, ids, opts, chat, turn)
+        splitter = ToolCallSplitter(self.engine.tokenizer, tools) if tools else None
+        out = Completion(chat, StopMatcher(opts.stops), self.options.model_name, splitter)
+        return await self._run(request, ids, opts, format_(out), turn)
 
     async def _run(
         self,
         request: web.Request,
         ids: list[int],
         opts: RequestOptions,
-        chat: bool,
+        fmt: Format,
         turn: _Turn | None = None,
     ) -> web.StreamResponse:
-        """Generate for one request and answer it: JSON, or server-sent events as the
-        tokens come. Its sequence goes back to the prefix cache whatever happens."""
+        """Generate for one request and answer it in ``fmt``. Its sequence goes back to
+        the prefix cache whatever happens."""
         seq, _ = self.cache.take(ids)
         if turn is not None and turn.continued:
             self.reply_follow_ups += 1
@@ -360,12 +392,16 @@ class Server:
             self.reused_tokens += reused  # counters written by the compute thread only
             self.prefilled_tokens += run
 
-        out = Completion(chat, StopMatcher(opts.stops), self.options.model_name)
+        out = fmt.out
         request_id = _request_id.get()
         kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
-        response = await open_stream(request, request_id) if opts.stream else None
+        response = None
+        if opts.stream:
+            response = await open_stream(request, request_id, fmt.stream_type)
         try:
-            await self._generate(ids, opts, seq, prepared, out, response)
+            if response is not None:
+                await send(response, fmt.opening(len(ids), reused))
+            await self._generate(ids, opts, seq, prepared, fmt, response)
             if turn is not None and seq is not None:
                 try:  # only an optimisation: its failure is logged, never the request's
                     kept = self._reply(
@@ -380,15 +416,15 @@ class Server:
         except Exception as e:
             if response is None:
                 raise
-            await stream_failure(response, e, request_id)
+            await stream_failure(response, fmt.failure(failure(e, request_id)))
             return response
         finally:
             if seq is not None:
                 self.cache.put(seq, kept)
-        counted = usage(len(ids), out.completion, reused)
+        counted = out.usage(len(ids), reused)
         if response is None:
-            return web.json_response(out.body(counted))
-        await end_stream(response, out, counted)
+            return web.json_response(fmt.body(counted))
+        await end_stream(response, fmt.closing(counted))
         return response
 
     async def _generate(
@@ -397,13 +433,14 @@ class Server:
         opts: RequestOptions,
         seq: Sequence_ | None,
         prepared: Callable[[Sequence_, int], None],
-        out: Completion,
+        fmt: Format,
         response: web.StreamResponse | None,
     ) -> None:
         """Feed the engine's events for ``ids`` (on ``seq``, a new sequence if None) into
-        ``out`` until they end or a stop string does; each piece of text goes to the
-        client as an event at once if ``response`` streams. A client that disconnects
-        cancels this with its handler (aiohttp's handler cancellation)."""
+        ``fmt.out`` until they end or a stop string does; each piece of text and each tool
+        call goes to the client as events at once if ``response`` streams. A client that
+        disconnects cancels this with its handler (aiohttp's handler cancellation)."""
+        out = fmt.out
         events = self.engine.stream(
             ids,
             opts.params,
@@ -415,8 +452,12 @@ class Server:
         async with contextlib.aclosing(events):  # leaving early frees the batch place
             async for event in events:
                 piece = out.feed(event)
-                if piece and response is not None:
-                    await send_event(response, out.chunk(piece, None))
+                calls = out.take_calls()
+                if response is not None:
+                    if piece:
+                        await send(response, fmt.text(piece))
+                    if calls:
+                        await send(response, fmt.calls(calls))
                 if out.stops.stopped:
                     break
 

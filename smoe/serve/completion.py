@@ -1,9 +1,10 @@
-"""One request's answer in `smoe serve`, built as the engine generates it.
+"""One request's answer in `smoe serve`, built as the engine generates it, whatever the API.
 
-``Completion`` follows the engine's events (stop strings cut the text) and makes OpenAI's
-JSON body or its server-sent-event chunks; ``usage`` is OpenAI's usage block; the
-functions below open such an event stream, write to it and end it, with an error event
-when the failure comes after the status (200) has been sent.
+``Completion`` follows the engine's events: tool calls are split out of the text (when the
+request has tools), stop strings cut the rest, and it records how the reply finished.
+``Usage`` is what every API's usage block is made of. The functions below open an event
+stream, write a dialect's events to it and end it; each API's formatting lives in its
+dialect module (openai_api.py, anthropic_api.py, ollama_api.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from smoe.serve.api_error import failure
+from smoe.serve.api_error import ApiError
 from smoe.serve.stops import StopMatcher
+from smoe.serve.tools import ToolCall, ToolCallSplitter
 
 
 def usage(prompt: int, completion: int, reused: int) -> dict[str, Any]:
@@ -32,35 +34,61 @@ def usage(prompt: int, completion: int, reused: int) -> dict[str, Any]:
 
 
 @dataclass
+class Usage:
+    """A request's counts and times: tokens in the prompt, generated and reused; seconds
+    from its arrival to the first token and to the end (Ollama reports durations)."""
+
+    prompt: int
+    completion: int
+    reused: int
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+    def openai(self) -> dict[str, Any]:
+        return usage(self.prompt, self.completion, self.reused)
+
+
+@dataclass
 class Completion:
-    """One request's answer as it is generated: the text after stop strings, the ids
-    shown, how it finished, and its OpenAI identity (id, object kind, creation time)."""
+    """One request's answer as it is generated: the text after stop strings, the tool
+    calls found, the ids shown and how it finished ("stop": the model ended its turn or a
+    stop string matched, "length": max_tokens)."""
 
     chat: bool
     stops: StopMatcher
     model: str  # the name the answer gives (the server has one model)
-    id: str = ""
-    kind: str = ""
+    tools: ToolCallSplitter | None = None  # splits out tool calls when the request has tools
+    started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    new_calls: list[ToolCall] = field(default_factory=list)  # found since the last take
     generated: list[int] = field(default_factory=list)  # the ids shown (not an end of turn)
     completion: int = 0
     finish: str = "length"
     ended: bool = False  # the model ended its turn (its end-of-turn id is in the stream)
-
-    def __post_init__(self) -> None:
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.kind = "chat.completion" if self.chat else "text_completion"
+    first_token_s: float = 0.0
 
     def feed(self, event: Any) -> str:
-        """Take one engine event; return the text it adds for the client ('' for none)."""
+        """Take one engine event; return the text it adds for the client ('' for none).
+        Tool calls it completes go to ``calls`` and ``new_calls``."""
         if event.token is not None:
+            if not self.completion:
+                self.first_token_s = time.perf_counter() - self.started
             self.completion += 1
             self.generated.append(event.token)
         if event.finish_reason:
             self.finish = event.finish_reason
             self.ended = self.finish == "stop"
-        piece = self.stops.feed(event.text) if event.text else ""
+        text = event.text
+        if self.tools is not None:
+            text, calls = self.tools.feed(text) if text else ("", [])
+            if event.finish_reason:
+                rest, more = self.tools.finish()
+                text, calls = text + rest, calls + more
+            self.calls += calls
+            self.new_calls += calls
+        piece = self.stops.feed(text) if text else ""
         if self.stops.stopped:
             self.finish = "stop"
         elif event.finish_reason:
@@ -69,58 +97,73 @@ class Completion:
             self.text.append(piece)
         return piece
 
+    def take_calls(self) -> list[ToolCall]:
+        """The tool calls found since the last take."""
+        calls, self.new_calls = self.new_calls, []
+        return calls
+
     @property
     def reply(self) -> str:
         return "".join(self.text)
 
-    def body(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming JSON answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": self.reply}
-        else:
-            choice["text"] = self.reply
-        return {
-            "id": self.id,
-            "object": self.kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage,
-        }
-
-    def chunk(
-        self, text: str, finish: str | None, usage: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """One server-sent event of the streamed answer: ``text`` added, ``finish`` (the
-        last chunk's reason, else None) and ``usage`` (the last chunk's)."""
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": text} if text else {},
-                "finish_reason": finish,
-            }
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            obj = self.kind
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
+    def usage(self, prompt: int, reused: int) -> Usage:
+        return Usage(
+            prompt,
+            self.completion,
+            reused,
+            self.first_token_s,
+            time.perf_counter() - self.started,
+        )
 
 
-async def open_stream(request: web.Request, request_id: str) -> web.StreamResponse:
-    """A server-sent-events answer, its status (200) and headers sent."""
+class Format(ABC):
+    """How one API writes one request's answer (made per request: it may number its
+    events): the JSON body, or the stream's events, already framed as bytes."""
+
+    stream_type = "text/event-stream"
+
+    def __init__(self, out: Completion) -> None:
+        self.out = out
+
+    @abstractmethod
+    def body(self, usage: Usage) -> dict[str, Any]:
+        """The non-streaming answer."""
+
+    def opening(self, prompt: int, reused: int) -> list[bytes]:
+        """The stream's first events, before any token."""
+        return []
+
+    @abstractmethod
+    def text(self, piece: str) -> list[bytes]:
+        """Events for a piece of the reply's text."""
+
+    @abstractmethod
+    def calls(self, calls: list[ToolCall]) -> list[bytes]:
+        """Events for tool calls the model completed."""
+
+    @abstractmethod
+    def closing(self, usage: Usage) -> list[bytes]:
+        """The stream's last events: how it finished, the usage."""
+
+    @abstractmethod
+    def failure(self, error: ApiError) -> list[bytes]:
+        """The stream's last events when it fails after its status (200) was sent."""
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event carrying ``data`` as JSON (named ``event`` if given)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+async def open_stream(
+    request: web.Request, request_id: str, content_type: str = "text/event-stream"
+) -> web.StreamResponse:
+    """A streamed answer (server-sent events, or NDJSON for Ollama), its status (200) and
+    headers sent."""
     response = web.StreamResponse(
         headers={
-            "Content-Type": "text/event-stream",
+            "Content-Type": content_type,
             "Cache-Control": "no-cache",
             "X-Request-Id": request_id,
         }
@@ -129,23 +172,20 @@ async def open_stream(request: web.Request, request_id: str) -> web.StreamRespon
     return response
 
 
-async def send_event(response: web.StreamResponse, data: dict[str, Any]) -> None:
-    """One server-sent event carrying ``data`` as JSON; ConnectionError if the client
+async def send(response: web.StreamResponse, events: list[bytes]) -> None:
+    """Write ``events`` (already framed by the dialect); ConnectionError if the client
     has gone."""
-    await response.write(f"data: {json.dumps(data)}\n\n".encode())
+    for event in events:
+        await response.write(event)
 
 
-async def end_stream(response: web.StreamResponse, out: Completion, usage: dict[str, Any]) -> None:
-    """The last chunk (how ``out`` finished, and its ``usage``), then ``[DONE]``."""
-    await send_event(response, out.chunk("", out.finish, usage))
-    await response.write(b"data: [DONE]\n\n")
+async def end_stream(response: web.StreamResponse, events: list[bytes]) -> None:
+    """The stream's last ``events``, then its end."""
+    await send(response, events)
     await response.write_eof()
 
 
-async def stream_failure(response: web.StreamResponse, e: Exception, rid: str) -> None:
-    """The stream has begun (status 200 sent): the error goes as an event."""
-    error = json.dumps(failure(e, rid).to_json())
+async def stream_failure(response: web.StreamResponse, events: list[bytes]) -> None:
+    """The stream has begun (status 200 sent): the error goes as the dialect's events."""
     with contextlib.suppress(ConnectionError):  # the client may be gone too
-        await response.write(f"data: {error}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await end_stream(response, events)

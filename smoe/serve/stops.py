@@ -12,15 +12,17 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Add ``text``; return what may be sent now (all of it before a stop string)."""
         if self.stopped:
             return ""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            at, self.matched = min(hits)
+            out, self.pending, self.stopped = self.pending[:at], "", True
             return out
         cut = len(self.pending) - self._held()
         out, self.pending = self.pending[:cut], self.pending[cut:]

@@ -12,6 +12,7 @@ Fields not in the table are ignored, as by vLLM (OpenAI itself refuses them).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,12 +57,13 @@ def _off(value: Any) -> bool:
     return not value
 
 
-def _check_stop(name: str, value: Any, limits: Limits) -> list[str]:
+def check_stop(name: str, value: Any, limits: Limits, most: int = 4) -> list[str]:
+    """Stop strings: one string or an array of up to ``most``, each 1 to 1000 characters."""
     stops = [value] if isinstance(value, str) else value
-    if len(stops) > 4:
+    if len(stops) > most:
         raise ApiError(
             400,
-            f"Invalid '{name}': expected a string or an array of up to 4 strings, "
+            f"Invalid '{name}': expected a string or an array of up to {most} strings, "
             f"but got {len(stops)} strings instead.",
             param=name,
             code="array_above_max_length",
@@ -81,12 +83,13 @@ def _check_stop(name: str, value: Any, limits: Limits) -> list[str]:
     return list(stops)
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, str]]:
+def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any]]:
     """The chat turns as {role, content} with text content ("developer" becomes
-    "system", its meaning for models that predate it)."""
+    "system", its meaning for models that predate it); an assistant's ``tool_calls``
+    and a tool result's ``tool_call_id`` kept in the form chat templates read."""
     if not value:
         raise ApiError(
             400,
@@ -116,13 +119,93 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, str
                 param=f"{where}.role",
                 code="invalid_value",
             )
-        content = _required(message, where, "content", ("string", "array"))
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if calls is not None and message.get("content") is None:
+            content = ""  # a turn of tool calls only
+        else:
+            content = _required(message, where, "content", ("string", "array"))
         if isinstance(content, list):
             content = _text_parts(f"{where}.content", content)
         if message.get("name") is not None and not isinstance(message["name"], str):
             raise _wrong_type(f"{where}.name", ("string",), message["name"])
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
+        turn: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        turn["content"] = content
+        if calls is not None:
+            turn["tool_calls"] = _check_calls(f"{where}.tool_calls", calls)
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise _wrong_type(f"{where}.tool_call_id", ("string",), message["tool_call_id"])
+            turn["tool_call_id"] = message["tool_call_id"]
+        turns.append(turn)
     return turns
+
+
+def _check_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant's OpenAI ``tool_calls``, their arguments (JSON text) parsed into the
+    object chat templates render (as mlx-lm's server does)."""
+    if not isinstance(calls, list):
+        raise _wrong_type(where, ("array",), calls)
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict):
+            raise _wrong_type(at, ("object",), call)
+        function = _required(call, at, "function", ("object",))
+        name = _required(function, f"{at}.function", "name", ("string",))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            arguments = _json_object(f"{at}.function.arguments", arguments)
+        elif arguments is None:
+            arguments = {}
+        elif not isinstance(arguments, dict):
+            raise _wrong_type(f"{at}.function.arguments", ("string", "object"), arguments)
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def _json_object(where: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(
+            400,
+            f"Invalid '{where}': expected a JSON object as text, but got {show(text)} instead.",
+            param=where,
+            code="invalid_value",
+        )
+    return value
+
+
+def check_tools(name: str, value: Any, limits: Limits) -> list[dict[str, Any]]:
+    """OpenAI's ``tools`` (also Ollama's): ``[{type: "function", function: {name,
+    description?, parameters?}}]``, as chat templates take them."""
+    out = []
+    for i, tool in enumerate(value):
+        at = f"{name}[{i}]"
+        if not isinstance(tool, dict):
+            raise _wrong_type(at, ("object",), tool)
+        if tool.get("type", "function") != "function":
+            raise ApiError(
+                400,
+                f"Unsupported value: '{at}.type' must be \"function\"; got {show(tool['type'])}.",
+                param=f"{at}.type",
+                code="unsupported_value",
+            )
+        function = _required(tool, at, "function", ("object",))
+        _required(function, f"{at}.function", "name", ("string",))
+        for key, kind in (("description", "string"), ("parameters", "object")):
+            if function.get(key) is not None and json_type(function[key]) != kind:
+                raise _wrong_type(f"{at}.function.{key}", (kind,), function[key])
+        out.append({"type": "function", "function": function})
+    return out
 
 
 def _required(obj: dict[str, Any], where: str, key: str, kinds: tuple[str, ...]) -> Any:
@@ -214,7 +297,7 @@ FIELDS: dict[str, Spec] = {
     # how long
     "max_tokens": Spec(("integer",), lo=1, hi="max_tokens"),
     "max_completion_tokens": Spec(("integer",), lo=1, hi="max_tokens"),
-    "stop": Spec(("string", "array"), default=[], check=_check_stop),
+    "stop": Spec(("string", "array"), default=[], check=check_stop),
     # sampling (OpenAI's ranges)
     "temperature": Spec(("number",), default=1.0, lo=0, hi=2),
     "top_p": Spec(("number",), default=1.0, lo=0, hi=1),
@@ -246,10 +329,12 @@ FIELDS: dict[str, Spec] = {
     "response_format": Spec(("object",), supported=_text_format,
                             unsupported="is not supported by this server beyond "
                                         "{\"type\": \"text\"}"),
-    "tools": Spec(("array",), supported=_off, unsupported="is not supported by this server"),
+    "tools": Spec(("array",), default=[], check=check_tools),
     "functions": Spec(("array",), supported=_off, unsupported="is not supported by this server"),
-    "tool_choice": Spec(("string", "object"), supported=lambda v: v in ("none", "auto"),
-                        unsupported="is not supported by this server (it has no tools)"),
+    "tool_choice": Spec(("string", "object"), default="auto",
+                        supported=lambda v: v in ("none", "auto"),
+                        unsupported="is not supported by this server: the model chooses "
+                                    "(\"auto\") or calls none (\"none\")"),
 }
 # fmt: on
 # The completions endpoint's logprobs is a count (0..5), not a flag.
@@ -267,14 +352,21 @@ def validate_request(body: dict[str, Any], endpoint: str, limits: Limits) -> dic
     """Every field of ``FIELDS`` for ``endpoint`` ("chat" or "completions"): the value
     sent, checked and converted (numbers to float), or the default. ApiError 400 names
     the first bad field; unknown fields are ignored."""
-    out: dict[str, Any] = {}
-    for name, spec in FIELDS.items():
-        if spec.only not in (None, endpoint):
-            continue
-        if name == "logprobs" and endpoint == "completions":
-            spec = COMPLETIONS_LOGPROBS
-        out[name] = _validate(name, body.get(name), spec, limits)
-    return out
+    table = {name: spec for name, spec in FIELDS.items() if spec.only in (None, endpoint)}
+    if endpoint == "completions":
+        table["logprobs"] = COMPLETIONS_LOGPROBS
+    return validate_fields(body, table, limits)
+
+
+def validate_fields(
+    body: dict[str, Any], table: dict[str, Spec], limits: Limits, prefix: str = ""
+) -> dict[str, Any]:
+    """Every field of ``table`` in ``body`` checked and converted, or its default; the
+    other APIs' tables (smoe/serve/anthropic_api.py, ollama_api.py) use it too. Errors
+    name the field as ``prefix + name``."""
+    return {
+        name: _validate(prefix + name, body.get(name), spec, limits) for name, spec in table.items()
+    }
 
 
 def _validate(name: str, value: Any, spec: Spec, limits: Limits) -> Any:
@@ -362,3 +454,47 @@ def _is_number(value: Any) -> bool:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def engine_fields(**given: Any) -> dict[str, Any]:
+    """The fields the pipeline reads (``Server.answer``), as an OpenAI request with only
+    ``given`` sent would have them: how the other APIs hand over their requests."""
+    keys = (
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stream",
+    )
+    fields = {key: FIELDS[key].default for key in keys}
+    unknown = set(given) - set(keys)
+    if unknown:
+        raise KeyError(f"not a pipeline field: {sorted(unknown)}")
+    fields.update({k: v for k, v in given.items() if v is not None})
+    return fields
+
+
+def check_text(name: str, value: Any, limits: Limits) -> str:
+    """A string, or an array of ``{"type": "text", "text"}`` blocks joined by newlines
+    (Anthropic's system prompt and tool results, OpenAI's content parts)."""
+    if isinstance(value, str):
+        return value
+    return _text_parts(name, value)
+
+
+def wrong_type(where: str, kinds: tuple[str, ...], value: Any) -> ApiError:
+    """The 400 for a value of the wrong JSON type at ``where``."""
+    return _wrong_type(where, kinds, value)
+
+
+def required(obj: dict[str, Any], where: str, key: str, kinds: tuple[str, ...]) -> Any:
+    """``obj[key]``, which must be there and of one of ``kinds``; ApiError 400 if not."""
+    return _required(obj, where, key, kinds)

@@ -1,0 +1,308 @@
+"""Ollama's API in `smoe serve`: POST /api/chat and /api/generate, GET /api/tags,
+POST /api/show, GET /api/version.
+
+Requests (``messages`` or ``prompt``/``system``/``raw``, ``tools``, ``options`` with
+temperature, top_p, top_k, min_p, num_predict, seed, stop, repeat_penalty and the
+penalties) are checked and answered through the server's one pipeline. Ollama streams
+unless ``"stream": false``: one JSON object per line (NDJSON), the last with ``done``,
+``done_reason`` and the counts and durations (nanoseconds). Tool calls arrive as
+``message.tool_calls`` with the arguments as an object; errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from aiohttp import web
+
+from smoe import __version__
+from smoe.serve.api_error import ApiError
+from smoe.serve.completion import Format, Usage
+from smoe.serve.describe import show
+from smoe.serve.tools import ToolCall
+from smoe.serve.validate import (
+    INT64,
+    Limits,
+    Spec,
+    check_stop,
+    check_tools,
+    engine_fields,
+    required,
+    validate_fields,
+    wrong_type,
+)
+
+if TYPE_CHECKING:
+    from smoe.serve.app import Server
+
+
+def error_json(e: ApiError) -> dict[str, Any]:
+    return {"error": e.message}
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any]]:
+    """Ollama's messages as chat-template messages (tool calls' arguments are objects
+    already, as templates take them)."""
+    if not value:
+        raise ApiError(400, f"Invalid '{name}': at least one message is required.", param=name)
+    out = []
+    for i, message in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            raise wrong_type(where, ("object",), message)
+        role = required(message, where, "role", ("string",))
+        if role not in ROLES:
+            raise ApiError(
+                400,
+                f"Invalid '{where}.role': expected one of {', '.join(ROLES)}, "
+                f"but got {show(role)} instead.",
+                param=f"{where}.role",
+            )
+        if message.get("images"):
+            raise ApiError(
+                400,
+                f"Unsupported value: '{where}.images': this server takes text only.",
+                param=f"{where}.images",
+                code="unsupported_value",
+            )
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise wrong_type(f"{where}.content", ("string",), content)
+        turn: dict[str, Any] = {"role": role, "content": content}
+        calls = message.get("tool_calls")
+        if calls and role == "assistant":
+            turn["tool_calls"] = [_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+        if role == "tool" and isinstance(message.get("tool_name"), str):
+            turn["name"] = message["tool_name"]
+        out.append(turn)
+    return out
+
+
+def _call(where: str, call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise wrong_type(where, ("object",), call)
+    function = required(call, where, "function", ("object",))
+    arguments = function.get("arguments") or {}
+    if not isinstance(arguments, dict):
+        raise wrong_type(f"{where}.function.arguments", ("object",), arguments)
+    name = required(function, f"{where}.function", "name", ("string",))
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _off(value: Any) -> bool:
+    return not value
+
+
+# fmt: off
+OPTIONS: dict[str, Spec] = {
+    "temperature": Spec(("number",), lo=0, hi=2),
+    "top_p": Spec(("number",), lo=0, hi=1),
+    "top_k": Spec(("integer",), lo=0),
+    "min_p": Spec(("number",), lo=0, hi=1),
+    "num_predict": Spec(("integer",), lo=-2),  # -1 (no limit), -2 (fill the context), 0: default
+    "seed": Spec(("integer",), lo=INT64[0], hi=INT64[1]),
+    "stop": Spec(("array",), check=lambda n, v, lim: check_stop(n, v, lim, most=16)),
+    "repeat_penalty": Spec(("number",), lo=0, lo_open=True),
+    "presence_penalty": Spec(("number",), lo=-2, hi=2),
+    "frequency_penalty": Spec(("number",), lo=-2, hi=2),
+}
+UNSUPPORTED = "is not supported by this server"
+COMMON: dict[str, Spec] = {
+    "model": Spec(("string",)),
+    "stream": Spec(("boolean",), default=True),  # Ollama streams unless told not to
+    "options": Spec(("object",), default={}),
+    "format": Spec(("string", "object"), supported=_off, unsupported=UNSUPPORTED),
+    "keep_alive": Spec(("number", "string")),  # the model stays loaded: nothing to keep
+    "think": Spec(("boolean", "string"), supported=_off, unsupported=UNSUPPORTED),
+}
+CHAT: dict[str, Spec] = {
+    **COMMON,
+    "messages": Spec(("array",), required=True, check=_check_messages),
+    "tools": Spec(("array",), default=[], check=check_tools),
+}
+GENERATE: dict[str, Spec] = {
+    **COMMON,
+    "prompt": Spec(("string",), default=""),
+    "system": Spec(("string",), default=""),
+    "raw": Spec(("boolean",), default=False),
+    "template": Spec(("string",), supported=_off, unsupported=UNSUPPORTED),
+    "suffix": Spec(("string",), supported=_off, unsupported=UNSUPPORTED),
+    "context": Spec(("array",), supported=_off, unsupported=UNSUPPORTED),
+    "images": Spec(("array",), supported=_off, unsupported=UNSUPPORTED),
+}
+# fmt: on
+
+
+def _engine_fields(f: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    o = validate_fields(f["options"], OPTIONS, limits, prefix="options.")
+    predict = o["num_predict"]
+    return engine_fields(
+        max_tokens=predict if predict is not None and predict > 0 else None,
+        stop=o["stop"],
+        temperature=o["temperature"],
+        top_p=o["top_p"],
+        top_k=o["top_k"],
+        min_p=o["min_p"],
+        seed=o["seed"],
+        repetition_penalty=o["repeat_penalty"],
+        presence_penalty=o["presence_penalty"],
+        frequency_penalty=o["frequency_penalty"],
+        stream=f["stream"],
+    )
+
+
+def routes(server: Server) -> list[web.RouteDef]:
+    """Ollama's routes on ``server``."""
+    name = server.options.model_name
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        f = validate_fields(await server.read_body(request), CHAT, server.limits)
+        fields = _engine_fields(f, server.limits)
+        ids, turn = server.template(f["messages"], f["tools"])
+        return await server.answer(
+            request, fields, ids, OllamaChat, chat=True, turn=turn, tools=f["tools"]
+        )
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        f = validate_fields(await server.read_body(request), GENERATE, server.limits)
+        fields = _engine_fields(f, server.limits)
+        if not f["prompt"]:  # Ollama's way to load a model: answered at once
+            return web.json_response({**_head(name), "response": "", **_done("load")})
+        if f["raw"]:
+            ids = server.encode(f["prompt"])
+        else:
+            system = [{"role": "system", "content": f["system"]}] if f["system"] else []
+            ids, _ = server.template([*system, {"role": "user", "content": f["prompt"]}], [])
+        return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
+
+    async def tags(request: web.Request) -> web.Response:
+        model = await anyio.to_thread.run_sync(_model, server)  # stats the vault's files
+        return web.json_response({"models": [{"name": name, **model}]})
+
+    async def show_model(request: web.Request) -> web.Response:
+        await server.read_body(request)  # checked; the server has one model
+        tok = server.engine.tokenizer
+        template = getattr(tok, "chat_template", None) if tok is not None else None
+        tools = tok is not None and bool(getattr(tok, "has_tool_calling", False))
+        family = server.engine.vault.manifest.shape.model_type
+        model = await anyio.to_thread.run_sync(_model, server)
+        return web.json_response(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": template if isinstance(template, str) else "",
+                "details": model["details"],
+                "model_info": {
+                    "general.architecture": family,
+                    "general.context_length": server.engine.max_context,
+                },
+                "capabilities": ["completion", *(["tools"] if tools else [])],
+                "modified_at": model["modified_at"],
+            }
+        )
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    return [
+        web.post("/api/chat", chat),
+        web.post("/api/generate", generate),
+        web.get("/api/tags", tags),
+        web.post("/api/show", show_model),
+        web.get("/api/version", version),
+    ]
+
+
+def _model(server: Server) -> dict[str, Any]:
+    """/api/tags's entry for the vault: its files' size and the manifest's time."""
+    vault = server.engine.vault
+    files = [p for p in vault.path.iterdir() if p.is_file()]
+    newest = max((p.stat().st_mtime for p in files), default=0.0)
+    family = vault.manifest.shape.model_type
+    return {
+        "model": server.options.model_name,
+        "modified_at": datetime.fromtimestamp(newest, UTC).isoformat().replace("+00:00", "Z"),
+        "size": sum(p.stat().st_size for p in files),
+        "details": {
+            "parent_model": "",
+            "format": "smoe",
+            "family": family,
+            "families": [family],
+            "parameter_size": "",
+            "quantization_level": "",
+        },
+    }
+
+
+def _head(model: str) -> dict[str, Any]:
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return {"model": model, "created_at": now}
+
+
+def _done(reason: str, usage: Usage | None = None) -> dict[str, Any]:
+    """The last object's fields: why it ended, the counts and durations (ns)."""
+    done: dict[str, Any] = {"done": True, "done_reason": reason}
+    if usage is not None:
+        done |= {
+            "total_duration": int(usage.total_s * 1e9),
+            "load_duration": 0,  # the model stays loaded
+            "prompt_eval_count": usage.prompt,
+            "prompt_eval_duration": int(usage.first_token_s * 1e9),
+            "eval_count": usage.completion,
+            "eval_duration": int(max(0.0, usage.total_s - usage.first_token_s) * 1e9),
+        }
+    return done
+
+
+def _line(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode() + b"\n"
+
+
+class OllamaChat(Format):
+    """/api/chat's answer: ``message`` objects, one per line when streaming."""
+
+    stream_type = "application/x-ndjson"
+
+    def _object(self, content: str, calls: list[ToolCall], done: dict[str, Any]) -> bytes:
+        return _line({**_head(self.out.model), **self._part(content, calls), **done})
+
+    def _part(self, content: str, calls: list[ToolCall]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+        return {"message": message}
+
+    def body(self, usage: Usage) -> dict[str, Any]:
+        out = self.out
+        return {
+            **_head(out.model),
+            **self._part(out.reply, out.calls),
+            **_done(out.finish, usage),
+        }
+
+    def text(self, piece: str) -> list[bytes]:
+        return [self._object(piece, [], {"done": False})]
+
+    def calls(self, calls: list[ToolCall]) -> list[bytes]:
+        return [self._object("", calls, {"done": False})]
+
+    def closing(self, usage: Usage) -> list[bytes]:
+        return [self._object("", [], _done(self.out.finish, usage))]
+
+    def failure(self, error: ApiError) -> list[bytes]:
+        return [_line(error_json(error))]
+
+
+class OllamaGenerate(OllamaChat):
+    """/api/generate's answer: ``response`` text (a generate request has no tools)."""
+
+    def _part(self, content: str, calls: list[ToolCall]) -> dict[str, Any]:
+        return {"response": content}

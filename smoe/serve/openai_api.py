@@ -1,0 +1,109 @@
+"""OpenAI's dialect of `smoe serve`: /v1/chat/completions and /v1/completions answers.
+
+The body (``chat.completion`` / ``text_completion``), the streamed chunks (server-sent
+events ending with ``data: [DONE]``), tool calls as ``tool_calls`` (``finish_reason``
+"tool_calls"), and errors as ``{"error": {message, type, param, code}}``
+(``ApiError.to_json``). The request side is smoe/serve/validate.py's ``FIELDS``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from smoe.serve.api_error import ApiError
+from smoe.serve.completion import Completion, Format, Usage, sse
+from smoe.serve.tools import ToolCall
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_json(e: ApiError) -> dict[str, Any]:
+    return e.to_json()
+
+
+class OpenAIFormat(Format):
+    """One OpenAI answer: its id, object kind and creation time, and its chunks."""
+
+    def __init__(self, out: Completion) -> None:
+        super().__init__(out)
+        self.id = ("chatcmpl-" if out.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.kind = "chat.completion" if out.chat else "text_completion"
+        self.sent_calls = 0  # a streamed call's index
+
+    @property
+    def finish(self) -> str:
+        return "tool_calls" if self.out.calls and self.out.finish == "stop" else self.out.finish
+
+    def body(self, usage: Usage) -> dict[str, Any]:
+        out = self.out
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if out.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": out.reply}
+            if out.calls:
+                message["content"] = out.reply or None
+                message["tool_calls"] = [_call(c) for c in out.calls]
+            choice["message"] = message
+        else:
+            choice["text"] = out.reply
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": out.created,
+            "model": out.model,
+            "choices": [choice],
+            "usage": usage.openai(),
+        }
+
+    def chunk(
+        self,
+        text: str,
+        finish: str | None,
+        usage: dict[str, Any] | None = None,
+        calls: list[ToolCall] | None = None,
+    ) -> dict[str, Any]:
+        """One chunk of the streamed answer: ``text`` (or ``calls``) added, ``finish``
+        (the last chunk's reason, else None) and ``usage`` (the last chunk's)."""
+        out = self.out
+        if out.chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [
+                    {"index": self.sent_calls + i, **_call(c)} for i, c in enumerate(calls)
+                ]
+                self.sent_calls += len(calls)
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            obj = self.kind
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": out.created,
+            "model": out.model,
+            "choices": [choice],
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def text(self, piece: str) -> list[bytes]:
+        return [sse(self.chunk(piece, None))]
+
+    def calls(self, calls: list[ToolCall]) -> list[bytes]:
+        return [sse(self.chunk("", None, calls=calls))]
+
+    def closing(self, usage: Usage) -> list[bytes]:
+        return [sse(self.chunk("", self.finish, usage.openai())), DONE]
+
+    def failure(self, error: ApiError) -> list[bytes]:
+        return [sse(error_json(error)), DONE]
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
