@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -419,7 +419,7 @@ class Engine(GroupAPI):
         sequence: Sequence_ | None = None,
         stop_at_eos: bool = True,
         on_prepared: Callable[[Sequence_, int], None] | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Generate from ``prompt`` on ``sequence`` (a new one if None): the sequence keeps
         the keys and values of the prefix it shares with the prompt, and the batcher
         prefills the rest and decodes it with the others (what conversations and the

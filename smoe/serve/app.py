@@ -162,6 +162,7 @@ class Server:
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         rid = "req_" + uuid.uuid4().hex[:20]
         _request_id.set(rid)  # the handler runs in this task: it sees the id
+        response: web.StreamResponse
         try:
             response = await handler(request)
         except ApiError as e:
@@ -197,7 +198,8 @@ class Server:
             raise ApiError(
                 401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
             )
-        return await handler(request)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     # ------------------------------------------------------------- small endpoints
     async def health(self, request: web.Request) -> web.Response:
@@ -514,7 +516,11 @@ async def serve(
     (it becomes that request's 4xx or 5xx, see the module doc)."""
     server = server or Server(engine, options)
     if options.prewarm_when_idle:
-        engine.batcher.on_idle = engine.prewarm
+
+        def prewarm() -> None:
+            engine.prewarm()
+
+        engine.batcher.on_idle = prewarm
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, logger=http_log)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -522,7 +528,7 @@ async def serve(
     if options.prewarm_when_idle:
         engine.prewarm()  # idle from the start
     if ready is not None:
-        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[attr-defined]
         ready(sockets[0].getsockname()[1] if sockets else port)
     try:
         await anyio.sleep_forever()
