@@ -209,8 +209,9 @@ class ShardReader:
 
     def _read_span(self, buf: np.ndarray, record: int, file: int, offset: int, need: int) -> None:
         """At least ``need`` bytes of file ``file`` from ``offset`` (aligned) into ``buf``.
-        Short reads continue from the last whole block; EINTR and EAGAIN are retried up to
-        READ_ATTEMPTS times in a row without progress; else VaultReadError."""
+        Short reads continue (O_DIRECT's come in whole blocks, but at the file's end);
+        EINTR and EAGAIN are retried up to READ_ATTEMPTS times in a row without progress;
+        anything else, or the file's end, is a VaultReadError."""
         fd, done, stalled = self.fds[file], 0, 0
         while done < need:
             try:
@@ -226,14 +227,12 @@ class ShardReader:
                 )
             if done + n >= need:
                 return
-            moved = n - n % BLOCK if self.direct else n
-            if moved:
-                done += moved
-                stalled = 0
-                continue
-            stalled += 1
-            if stalled >= READ_ATTEMPTS:
-                raise self._error(record, file, f"short reads of {n} bytes at {offset + done}", None)
+            if self.direct and n % BLOCK:  # O_DIRECT returns part of a block only at the end
+                raise self._error(
+                    record, file, f"the file ends at byte {offset + done + n}: truncated", None
+                )
+            done += n
+            stalled = 0
 
     def _error(self, record: int, file: int, what: str, cause: int | None) -> VaultReadError:
         layer, expert = self.source.manifest.record_key(record)
