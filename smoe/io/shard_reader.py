@@ -205,7 +205,9 @@ class ShardReader:
         for p in extent.pieces:
             s, t = max(a, p.src), min(b, p.src + p.nbytes)
             if s < t:
-                dest[p.dst + s - p.src : p.dst + t - p.src] = buf[s - a + start - lo : t - a + start - lo]
+                dest[p.dst + s - p.src : p.dst + t - p.src] = buf[
+                    s - a + start - lo : t - a + start - lo
+                ]
 
     def _read_span(self, buf: np.ndarray, record: int, file: int, offset: int, need: int) -> None:
         """At least ``need`` bytes of file ``file`` from ``offset`` (aligned) into ``buf``.

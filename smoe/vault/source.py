@@ -18,6 +18,7 @@ docs/sources.md says more.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import os
@@ -114,10 +115,10 @@ class Source(Vault):
             config.pop("quantization_config", None)
         manifest = _manifest(path, index, config, quantized)
         source = cls(path, manifest, index, config)
-        try:  # the stats directory's parent (Popularity makes the directory itself)
+        # The stats directory's parent (Popularity makes the directory itself); without
+        # a cache, popularity counts are not kept, as in a read-only vault.
+        with contextlib.suppress(OSError):
             source.cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # no cache: popularity counts are not kept, as in a read-only vault
         return source
 
 
@@ -184,9 +185,7 @@ def _quantization(config: dict[str, Any], quantized: bool) -> dict[str, Any]:
     }
 
 
-def _manifest(
-    path: Path, index: SourceIndex, config: dict[str, Any], quantized: bool
-) -> Manifest:
+def _manifest(path: Path, index: SourceIndex, config: dict[str, Any], quantized: bool) -> Manifest:
     topology = _topology(config, index).to_json()
     quantization = _quantization(config, quantized)
     # The index's layout must be one mlx-lm's expert module can hold, packed as stated.

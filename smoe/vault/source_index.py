@@ -121,9 +121,7 @@ class SourceIndex:
         n = _expert_count(folder, config, layers)
         layout, modules = _one_layout(folder, layers)
         index = {f: i for i, f in enumerate(files)}
-        extents = [
-            _merge(index, layout, layers[module][e]) for module in modules for e in range(n)
-        ]
+        extents = [_merge(index, layout, layers[module][e]) for module in modules for e in range(n)]
         expert_bytes = sum(s.nbytes for m in modules for per in layers[m] for s in per.values())
         return cls(
             files=tuple(files),
@@ -233,9 +231,7 @@ def _unstack(folder: Path, module: str, comps: dict[str, TensorEntry]) -> list[d
     n = counts.pop()
     return [
         {
-            comp: _Slice(
-                t.file, t.start + e * (t.nbytes // n), t.nbytes // n, t.dtype, t.shape[1:]
-            )
+            comp: _Slice(t.file, t.start + e * (t.nbytes // n), t.nbytes // n, t.dtype, t.shape[1:])
             for comp, t in comps.items()
         }
         for e in range(n)
@@ -287,7 +283,9 @@ def _one_layout(
     return RecordLayout.build(specs), modules
 
 
-def _merge(index: dict[Path, int], layout: RecordLayout, comps: dict[str, _Slice]) -> tuple[Extent, ...]:
+def _merge(
+    index: dict[Path, int], layout: RecordLayout, comps: dict[str, _Slice]
+) -> tuple[Extent, ...]:
     """One record's extents: its components' byte ranges in file order, those that touch
     in one file merged into one read."""
     spans = sorted(
