@@ -34,6 +34,7 @@ from smoe.io.direct_file import (
     describe_os_error,
     open_vault_file,
 )
+from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
 from smoe.io.read_queue import ReadJob, ReadQueue
 from smoe.io.ring import ExpertRing
 from smoe.vault.source import Source
@@ -46,11 +47,16 @@ BLOCK = 4096  # O_DIRECT's offsets, lengths and buffer addresses are multiples o
 FIX = "check the disk (dmesg) and download the model again, or convert it: smoe convert SRC VAULT"
 
 
-def _aligned(n: int) -> np.ndarray:
-    """``n`` bytes (n a multiple of BLOCK) starting at a BLOCK-aligned address."""
-    raw = np.empty(n + BLOCK, dtype=np.uint8)
-    start = (-int(raw.ctypes.data)) % BLOCK
-    return raw[start : start + n]
+def _bounce_buffer(n: int) -> np.ndarray:
+    """At least ``n`` bytes at a 2 MiB-aligned address, on huge pages where the kernel
+    grants them: O_DIRECT into 4 KiB pages runs at ~40% of the rate (smoe.io.hugepages)."""
+    n = -(-n // HUGE_PAGE) * HUGE_PAGE
+    raw = np.empty(n + HUGE_PAGE, dtype=np.uint8)
+    start = (-int(raw.ctypes.data)) % HUGE_PAGE
+    buf = raw[start : start + n]
+    advise_huge_pages(int(buf.ctypes.data), n)
+    buf.fill(0)  # touched now, once, not during the first reads
+    return buf
 
 
 def _chunks(extent: Extent, parts: int) -> list[tuple[int, int]]:
@@ -85,7 +91,8 @@ class ShardReader:
         self.ring = ring
         self.stride = ring.stride
         self.workers = workers
-        self.reads = 0
+        self.reads = 0  # extent reads issued
+        self.records = 0  # records read
         self._count_lock = threading.Lock()
         self._parts = parts if parts is not None else MAX_PARTS
         self._buffers = threading.local()
@@ -100,6 +107,13 @@ class ShardReader:
             for fd in self.fds:
                 os.close(fd)
             raise
+        # One bounce buffer per reading thread, made now: not during the first reads.
+        largest = max(
+            b - a for ex in self.index.extents for e in ex for a, b in _chunks(e, self._parts)
+        )
+        self._spare = [
+            _bounce_buffer(largest + 2 * BLOCK) for _ in range(workers * max(1, self._parts))
+        ]
         self._helpers = concurrent.futures.ThreadPoolExecutor(
             workers * max(1, self._parts - 1), thread_name_prefix="smoe-io-part"
         )
@@ -177,6 +191,7 @@ class ShardReader:
         extents = self.index.extents[record]
         with self._count_lock:
             self.reads += len(extents)
+            self.records += 1
         dest = np.frombuffer(view, dtype=np.uint8)
         work = [(e, a, b) for e in extents for a, b in _chunks(e, self._parts)]
         helpers = [self._helpers.submit(self._read_part, dest, record, *w) for w in work[1:]]
@@ -188,10 +203,15 @@ class ShardReader:
             h.result()
 
     def _bounce(self, n: int) -> np.ndarray:
+        """This thread's bounce buffer, of at least ``n`` bytes: one made when the reader
+        opened (sized for the largest part), grown only if needed."""
         buf: np.ndarray | None = getattr(self._buffers, "buf", None)
+        if buf is None:
+            with self._count_lock:
+                buf = self._spare.pop() if self._spare else None
         if buf is None or len(buf) < n:
-            buf = _aligned(-(-n // BLOCK) * BLOCK)
-            self._buffers.buf = buf
+            buf = _bounce_buffer(n)
+        self._buffers.buf = buf
         return buf
 
     def _read_part(self, dest: np.ndarray, record: int, extent: Extent, a: int, b: int) -> None:

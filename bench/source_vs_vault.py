@@ -1,0 +1,126 @@
+"""Generation straight from a download vs from its vault: same model, same budget, one run.
+
+    python bench/source_vs_vault.py WORKDIR [--memory 1GB] [--tokens 24] [--rounds 3]
+
+WORKDIR/src is a Qwen3-30B-A3B-geometry checkpoint (`smoe synth --preset qwen3-30b-a3b`:
+128 experts of 9.4 MB in bf16, top-8, 2 layers), made if missing; WORKDIR/vault is its
+`smoe convert --bits 16` (the same bytes, one record per expert), made if missing. Each
+round generates the same greedy tokens from both, alternating which goes first, each on a
+fresh engine with the same --memory budget. Prints one JSON object: per side the median
+decode and prefill tok/s over the rounds, the reads per expert (extents of the source's
+index; 1 for a vault record) and bytes read per decoded token; and source / vault ratios.
+Source statistics go to a cache under WORKDIR, not to the user's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from smoe.engine import Engine
+from smoe.synth import synthesize
+from smoe.vault.convert import ConvertOptions, convert
+from smoe.vault.source import Source
+
+
+def prepare(work: Path) -> tuple[Path, Path]:
+    src, vault = work / "src", work / "vault"
+    if not (src / "config.json").exists():
+        print("synthesizing the checkpoint ...", file=sys.stderr)
+        synthesize(src, arch="qwen3_moe", preset="qwen3-30b-a3b", seed=0)
+    if not (vault / "manifest.json").exists():
+        print("converting it (--bits 16) ...", file=sys.stderr)
+        convert(src, vault, ConvertOptions(bits=16))
+    return src, vault
+
+
+async def one_run(path: Path, prompt: list[int], tokens: int, memory: str) -> dict[str, Any]:
+    async with Engine.open(path, memory=memory) as engine:
+        out: list[int] = []
+        stats = None
+        async for ev in engine.generate(prompt, max_tokens=tokens, stop_at_eos=False):
+            if ev.token is not None:
+                out.append(ev.token)
+            stats = ev.stats or stats
+        assert stats is not None
+        # A vault reads one record per read; a source as many extents as its index says.
+        records = getattr(engine.reader, "records", None)
+        reads = getattr(engine.reader, "reads", None)
+        return {
+            "tokens": out,
+            "decode_tok_s": stats.decode_tok_s,
+            "prefill_tok_s": stats.prefill_tok_s,
+            "decode_bytes_per_token": stats.decode_bytes_per_token,
+            "decode_hit_rate": stats.decode_hit_rate,
+            "records_read": records,
+            "reads": reads,
+            "slots": engine.ring.num_slots,
+            "ring": engine.ring.kind,
+            "direct_io": engine.reader.direct,
+        }
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("work", type=Path)
+    p.add_argument("--memory", default="1GB", help="the ring's budget, the same for both")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("SMOE_CACHE", str(args.work / "cache"))
+    src, vault = prepare(args.work)
+    prompt = [(7 * i + 3) % 4000 + 2 for i in range(args.prompt_tokens)]
+    runs: dict[str, list[dict[str, Any]]] = {"source": [], "vault": []}
+    for r in range(args.rounds):
+        order = [("source", src), ("vault", vault)]
+        for name, path in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(await one_run(path, prompt, args.tokens, args.memory))
+            print(f"round {r}: {name} {runs[name][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+    same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["source"], runs["vault"], strict=True))
+
+    def side(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        last = rs[-1]
+        return {
+            "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
+            "decode_tok_s_runs": [round(x["decode_tok_s"], 3) for x in rs],
+            "prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rs),
+            "reads_per_expert": (last["reads"] / last["records_read"]) if last["reads"] else 1.0,
+            "decode_mb_per_token": last["decode_bytes_per_token"] / 1e6,
+            "decode_hit_rate": last["decode_hit_rate"],
+            "slots": last["slots"],
+            "ring": last["ring"],
+            "direct_io": last["direct_io"],
+        }
+
+    s, v = side(runs["source"]), side(runs["vault"])
+    index = Source.open(src).index
+    print(
+        json.dumps(
+            {
+                "model": "qwen3_moe, Qwen3-30B-A3B expert geometry, 2 layers, bf16 experts",
+                "record_bytes": index.layout.size,
+                "shards": len(index.files),
+                "memory": args.memory,
+                "tokens": args.tokens,
+                "prompt_tokens": args.prompt_tokens,
+                "rounds": args.rounds,
+                "same_tokens": same,
+                "source": s,
+                "vault": v,
+                "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
+                "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
