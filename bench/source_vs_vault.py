@@ -58,6 +58,7 @@ async def one_run(path: Path, prompt: list[int], tokens: int, memory: str) -> di
             "prefill_tok_s": stats.prefill_tok_s,
             "decode_bytes_per_token": stats.decode_bytes_per_token,
             "decode_hit_rate": stats.decode_hit_rate,
+            "decode_io_wait_share": stats.decode_io_wait_share,
             "records_read": records,
             "reads": reads,
             "slots": engine.ring.num_slots,
@@ -82,8 +83,15 @@ async def main() -> None:
         order = [("source", src), ("vault", vault)]
         for name, path in order if r % 2 == 0 else order[::-1]:
             runs[name].append(await one_run(path, prompt, args.tokens, args.memory))
-            print(f"round {r}: {name} {runs[name][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
-    same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["source"], runs["vault"], strict=True))
+            last = runs[name][-1]
+            print(
+                f"round {r}: {name} {last['decode_tok_s']:.2f} tok/s, "
+                f"io wait {last['decode_io_wait_share']:.0%}",
+                file=sys.stderr,
+            )
+    same = all(
+        a["tokens"] == b["tokens"] for a, b in zip(runs["source"], runs["vault"], strict=True)
+    )
 
     def side(rs: list[dict[str, Any]]) -> dict[str, Any]:
         last = rs[-1]
@@ -94,6 +102,7 @@ async def main() -> None:
             "reads_per_expert": (last["reads"] / last["records_read"]) if last["reads"] else 1.0,
             "decode_mb_per_token": last["decode_bytes_per_token"] / 1e6,
             "decode_hit_rate": last["decode_hit_rate"],
+            "decode_io_wait_share_runs": [round(x["decode_io_wait_share"], 3) for x in rs],
             "slots": last["slots"],
             "ring": last["ring"],
             "direct_io": last["direct_io"],

@@ -378,3 +378,22 @@ async def test_one_read_per_expert_where_its_tensors_sit_side_by_side(arch, hf_d
     async with Engine.open(source, slots=2) as engine:
         await engine.logits(_prompt(8))
         assert engine.reader.reads == engine.scheduler.stats.misses > 0
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(sources, copy_dir):
+    folder = copy_dir(sources("qwen3_moe")[0])
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(k for k in data["weight_map"] if ".experts.3." in k)
+    shards = sorted(set(data["weight_map"].values()))
+    data["weight_map"][name] = next(s for s in shards if s != data["weight_map"][name])
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as e:
+        Source.open(folder)
+    _one_line(e.value, name, "download")
+
+
+def test_the_same_download_gives_the_same_manifest_identity(hf_dir):
+    """Ranks opening one download must agree on the model (Manifest.identity)."""
+    a, b = Source.open(hf_dir("qwen3_moe")), Source.open(hf_dir("qwen3_moe"))
+    assert a.manifest.identity() == b.manifest.identity()

@@ -72,8 +72,10 @@ class Engine(GroupAPI):
     def open(
         cls, vault: Vault | str | Path, memory: int | str | None = None, **options: Any
     ) -> Engine:
-        """An engine for ``vault`` (not started: use ``async with``). Options: see
-        EngineOptions. Raises VaultError for a bad vault, SmoeError for a bad option."""
+        """An engine for ``vault``: a vault, or a downloaded checkpoint folder streamed
+        from its shards (not started: use ``async with``). Options: see EngineOptions.
+        Raises VaultError for a bad vault, CheckpointError or UnsupportedModelError for a
+        folder that cannot be streamed (naming the fix), SmoeError for a bad option."""
         return cls(vault, EngineOptions(memory=memory, **options))
 
     # ---------------------------------------------------------------- lifecycle

@@ -210,6 +210,10 @@ def _manifest(path: Path, index: SourceIndex, config: dict[str, Any], quantized:
             "bytes": index.total_bytes - index.expert_bytes,
             "tensors": None,
         },
-        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        # The newest shard's time, not now: ranks opening the same download must find the
+        # same manifest (Manifest.identity).
+        created=_dt.datetime.fromtimestamp(
+            max(f.stat().st_mtime for f in index.files), _dt.UTC
+        ).isoformat(timespec="seconds"),
         producer=f"smoe {smoe.__version__}",
     )

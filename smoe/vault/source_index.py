@@ -107,7 +107,7 @@ class SourceIndex:
         Raises CheckpointError for missing or damaged files, UnsupportedModelError for
         experts the index cannot express (both naming the fix)."""
         model_type = str(config.get("model_type"))
-        files = shard_files(folder)
+        files, weight_map = shard_files(folder)
         tensors: dict[str, TensorEntry] = {}
         for f in files:
             for name, entry in read_header(f).tensors.items():
@@ -117,6 +117,12 @@ class SourceIndex:
                         f"{REDOWNLOAD}"
                     )
                 tensors[name] = entry
+        for name, shard in (weight_map or {}).items():
+            if name not in tensors or tensors[name].file.name != shard:
+                raise CheckpointError(
+                    f"{folder / shard} lacks tensor {name[:120]!a} that {INDEX_FILE} places "
+                    f"there; {REDOWNLOAD}"
+                )
         layers = _expert_slices(folder, model_type, tensors)
         n = _expert_count(folder, config, layers)
         layout, modules = _one_layout(folder, layers)
@@ -135,18 +141,21 @@ class SourceIndex:
         )
 
 
-def shard_files(folder: Path) -> list[Path]:
+def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The folder's safetensors shards: those model.safetensors.index.json names (each
-    checked to be a plain file name, and there), else every model*.safetensors."""
+    checked to be a plain file name, and there), else every model*.safetensors; and the
+    index's weight map (tensor -> shard), None without an index."""
     index_path = folder / INDEX_FILE
     if index_path.exists():
         try:
             if index_path.stat().st_size > MAX_INDEX_BYTES:
                 raise ValueError("too large")
             weight_map = json.loads(index_path.read_bytes())["weight_map"]
-            names = sorted(set(weight_map.values()))
-            if not names or not all(isinstance(n, str) for n in names):
+            if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError("bad weight_map")
+            if not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("bad weight_map")
+            names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             raise CheckpointError(f"{index_path} is corrupt; {REDOWNLOAD}") from None
         bad = [n for n in names if "/" in n or "\\" in n or n in ("", ".", "..")]
@@ -158,11 +167,11 @@ def shard_files(folder: Path) -> list[Path]:
                 f"{folder} lacks shard(s) {', '.join(missing[:3])} listed in {INDEX_FILE}; "
                 "download them"
             )
-        return [folder / n for n in names]
+        return [folder / n for n in names], weight_map
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no model*.safetensors weights")
-    return files
+    return files, None
 
 
 def _expert_slices(
