@@ -6,9 +6,11 @@ WORKDIR/src is a Qwen3-30B-A3B-geometry checkpoint (`smoe synth --preset qwen3-3
 128 experts of 9.4 MB in bf16, top-8, 2 layers), made if missing; WORKDIR/vault is its
 `smoe convert --bits 16` (the same bytes, one record per expert), made if missing. Each
 round generates the same greedy tokens from both, alternating which goes first, each on a
-fresh engine with the same --memory budget. Prints one JSON object: per side the median
+fresh engine with the same --memory budget. Before that, the readers alone read every
+expert once per round (GB/s, alternating). Prints one JSON object: per side the median
 decode and prefill tok/s over the rounds, the reads per expert (extents of the source's
-index; 1 for a vault record) and bytes read per decoded token; and source / vault ratios.
+index; 1 for a vault record), bytes read per decoded token, the share of decode waiting
+for reads; the readers' GB/s; and source / vault ratios.
 Source statistics go to a cache under WORKDIR, not to the user's.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,82 @@ async def one_run(path: Path, prompt: list[int], tokens: int, memory: str) -> di
         }
 
 
+class _HostRing:
+    """Landings over host memory on huge pages: what a reader fills, with no compute."""
+
+    kind = "unified"
+
+    def __init__(self, stride: int, slots: int) -> None:
+        import numpy as np
+
+        from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+
+        self.stride, self.num_slots = stride, slots
+        raw = np.empty(stride * slots + HUGE_PAGE, dtype=np.uint8)
+        start = (-int(raw.ctypes.data)) % HUGE_PAGE
+        self.memory = raw[start : start + stride * slots]
+        advise_huge_pages(int(self.memory.ctypes.data), self.memory.nbytes)
+        self.memory.fill(0)
+
+    def land(self, slot: int) -> Any:
+        view = memoryview(self.memory[slot * self.stride : (slot + 1) * self.stride])
+
+        class Landing:
+            memory = view
+
+            def finish(self) -> memoryview:
+                return view
+
+            def hand_over(self) -> None:
+                pass
+
+            def discard(self) -> None:
+                pass
+
+        return Landing()
+
+
+async def read_all(reader: Any, records: int, in_flight: int) -> float:
+    """Seconds to read every record once, ``in_flight`` at a time (one per slot)."""
+    start = time.perf_counter()
+    pending: set[asyncio.Future[int]] = set()
+    for r in range(records):
+        pending.add(asyncio.ensure_future(reader.read(r, r % in_flight)))
+        if len(pending) >= in_flight:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.gather(*pending)
+    return time.perf_counter() - start
+
+
+async def io_only(src: Path, vault_path: Path, rounds: int) -> dict[str, Any]:
+    """GB/s reading every expert once, 8 reads in flight, 4 workers: the readers alone,
+    alternating (the vault's reads verified against their checksums, as the engine's)."""
+    from smoe.io.direct import DirectReader
+    from smoe.io.shard_reader import ShardReader
+    from smoe.vault.format import Vault
+
+    source, vault = Source.open(src), Vault.open(vault_path)
+    ring = _HostRing(vault.manifest.record.stride, 8)
+    n, size = vault.manifest.num_records, vault.manifest.record.size
+    rates: dict[str, list[float]] = {"source": [], "vault": []}
+    for r in range(rounds):
+        order = ["source", "vault"] if r % 2 == 0 else ["vault", "source"]
+        for name in order:
+            reader: Any = (
+                ShardReader(source, ring, workers=4)
+                if name == "source"
+                else DirectReader(vault, ring, workers=4)
+            )
+            try:
+                rates[name].append(n * size / await read_all(reader, n, 8) / 1e9)
+            finally:
+                reader.close()
+    out: dict[str, Any] = {f"{k}_gb_s": statistics.median(v) for k, v in rates.items()}
+    out.update({f"{k}_gb_s_runs": [round(x, 2) for x in v] for k, v in rates.items()})
+    out["ratio_source_over_vault"] = out["source_gb_s"] / out["vault_gb_s"]
+    return out
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("work", type=Path)
@@ -77,6 +156,8 @@ async def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("SMOE_CACHE", str(args.work / "cache"))
     src, vault = prepare(args.work)
+    io = await io_only(src, vault, args.rounds)
+    print(f"reads alone: {io}", file=sys.stderr)
     prompt = [(7 * i + 3) % 4000 + 2 for i in range(args.prompt_tokens)]
     runs: dict[str, list[dict[str, Any]]] = {"source": [], "vault": []}
     for r in range(args.rounds):
@@ -124,6 +205,7 @@ async def main() -> None:
                 "source": s,
                 "vault": v,
                 "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
+                "io_only": io,
                 "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
             },
             indent=1,
