@@ -397,3 +397,53 @@ def test_the_same_download_gives_the_same_manifest_identity(hf_dir):
     """Ranks opening one download must agree on the model (Manifest.identity)."""
     a, b = Source.open(hf_dir("qwen3_moe")), Source.open(hf_dir("qwen3_moe"))
     assert a.manifest.identity() == b.manifest.identity()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "deepseek_v2"])
+async def test_the_other_streamable_architectures_equal_their_vault(arch, hf_dir, tmp_path):
+    """Every architecture the index streams: its layout is convert's, its logits the
+    vault's, bit for bit, at the smallest ring (shared experts and dense first layers
+    stay in the backbone)."""
+    folder = hf_dir(arch)
+    vault = convert(folder, tmp_path / "v", ConvertOptions(bits=16))
+    source = Source.open(folder)
+    assert source.manifest.record == vault.manifest.record
+    assert source.manifest.topology == vault.manifest.topology
+    prompt = _prompt(40)
+    got = []
+    for path in (folder, vault.path):
+        async with Engine.open(path, slots=vault.manifest.shape.experts_per_token) as engine:
+            got.append(await engine.logits(prompt))
+    assert np.array_equal(*got)
+
+
+@pytest.mark.asyncio
+async def test_buffered_reads_give_the_same_bytes(sources):
+    """Where O_DIRECT is refused (or direct_io=False), reads go through the page cache:
+    the same records."""
+    folder, vault, _ = sources("mlx-4bit")
+    prompt = _prompt(30)
+    got = []
+    for direct in (True, False):
+        async with Engine.open(folder, slots=2, direct_io=direct) as engine:
+            assert engine.reader.direct is direct
+            got.append(await engine.logits(prompt))
+    assert np.array_equal(*got)
+
+
+def test_generate_from_a_download_with_its_tokenizer(tmp_path, run_cli):
+    """A `smoe synth` folder (tokenizer and all) runs from text: the CLI takes the folder
+    where it takes a vault, and the tokens equal its vault's."""
+    from smoe.synth import synthesize
+
+    folder = synthesize(tmp_path / "src", arch="qwen3_moe", preset="tiny", seed=3)
+    vault = convert(folder, tmp_path / "v", ConvertOptions(bits=16))
+    outs = []
+    for path in (folder, vault.path):
+        code, out, err = run_cli(
+            "generate", path, "--prompt", "hello there", "--max-tokens", "6", "--json"
+        )
+        assert code == 0, err
+        outs.append(json.loads(out)["tokens"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
