@@ -32,7 +32,7 @@ from smoe.vault.checks import Check
 from smoe.vault.format import Vault
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.manifest import Manifest
-from smoe.vault.names import MANIFEST
+from smoe.vault.names import BACKBONE_FILE, EXPERTS_FILE, MANIFEST
 from smoe.vault.packing import projection_packing
 from smoe.vault.source_index import CONVERT, SourceIndex
 
@@ -48,8 +48,14 @@ def cache_root() -> Path:
 
 
 def is_checkpoint_folder(path: Path) -> bool:
-    """A folder with config.json and no manifest.json: a download, not a vault."""
-    return path.is_dir() and (path / "config.json").is_file() and not (path / MANIFEST).exists()
+    """A folder with config.json and none of a vault's own files: a download. (A vault
+    whose manifest.json is missing is a broken vault, which Vault.open explains.)"""
+    vault_files = (MANIFEST, EXPERTS_FILE, BACKBONE_FILE)
+    return (
+        path.is_dir()
+        and (path / "config.json").is_file()
+        and not any((path / name).exists() for name in vault_files)
+    )
 
 
 def open_model(path: Path | str) -> Vault:
