@@ -105,14 +105,20 @@ class _HostRing:
         return Landing()
 
 
-async def read_all(reader: Any, records: int, in_flight: int) -> float:
-    """Seconds to read every record once, ``in_flight`` at a time (one per slot)."""
+async def read_all(reader: Any, records: int, slots: int) -> float:
+    """Seconds to read every record once, one read in flight per slot (a slot is read
+    into again only once its last read is done)."""
     start = time.perf_counter()
-    pending: set[asyncio.Future[int]] = set()
+    free = list(range(slots))
+    pending: dict[asyncio.Future[int], int] = {}
     for r in range(records):
-        pending.add(asyncio.ensure_future(reader.read(r, r % in_flight)))
-        if len(pending) >= in_flight:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if not free:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a failed read fails the benchmark
+                free.append(pending.pop(task))
+        slot = free.pop()
+        pending[asyncio.ensure_future(reader.read(r, slot))] = slot
     await asyncio.gather(*pending)
     return time.perf_counter() - start
 
