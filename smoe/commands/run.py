@@ -337,7 +337,7 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 def add_generate(sub: Any) -> None:
     """`smoe generate` and its options."""
     g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
-    g.add_argument("vault", type=Path)
+    g.add_argument("vault", type=Path, help="a vault, or a downloaded checkpoint folder")
     g.add_argument("--prompt", default=None, help="prompt text (tokenized without a chat template)")
     g.add_argument("--prompt-ids", type=_id_list, default=None, help="prompt token ids: 1,2,3")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -371,7 +371,8 @@ def add_chat(sub: Any) -> None:
         type=Path,
         nargs="?",
         default=None,
-        help="vault folder (default: the built-in demo, made on first use)",
+        help="vault or downloaded checkpoint folder (default: the built-in demo, made on "
+        "first use)",
     )
     ch.add_argument("--system", default=None, help="system prompt")
     ch.add_argument("--max-tokens", type=int, default=256)
@@ -387,7 +388,7 @@ def add_chat(sub: Any) -> None:
 def add_serve(sub: Any) -> None:
     """`smoe serve` and its options."""
     sv = sub.add_parser("serve", help="an HTTP server: OpenAI, Anthropic Messages and Ollama APIs")
-    sv.add_argument("vault", type=Path)
+    sv.add_argument("vault", type=Path, help="a vault, or a downloaded checkpoint folder")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

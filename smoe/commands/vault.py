@@ -70,10 +70,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from smoe.vault.format import Vault
     from smoe.vault.inspect import render, summary, verify_files
+    from smoe.vault.source import Source, open_model
 
-    vault = Vault.open(args.vault)
+    vault = open_model(args.vault)  # a vault, or a download streamed from its shards
+    if isinstance(vault, Source) and args.verify:
+        raise SmoeError(
+            f"{vault.path} is a download: it has no checksums to verify; 'smoe convert' "
+            "makes a vault whose every record is checked"
+        )
     info = summary(vault)
     bad: list[BadRecord] | None = None
     files: list[FileCheck] = []
@@ -264,8 +269,12 @@ def add_convert(sub: Any) -> None:
 
 def add_inspect(sub: Any) -> None:
     """`smoe inspect` and its options."""
-    i = sub.add_parser("inspect", help="describe a vault; --verify re-checks every record")
-    i.add_argument("vault", type=Path)
+    i = sub.add_parser(
+        "inspect",
+        help="describe a vault (or what a checkpoint folder would stream); --verify "
+        "re-checks every record",
+    )
+    i.add_argument("vault", type=Path, help="a vault, or a checkpoint folder")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument(
         "--verify",

@@ -218,7 +218,7 @@ def build_model(
     _check_float_experts(vault, compute_dtype)
     config = vault.config()
     model = _model_of(vault, config)
-    weights = dict(mx.load(str(vault.backbone_path)))
+    weights = backbone_weights(vault)
     _quantize_like_mlx_lm(model, config, ChainMap(weights, record_tensors(vault)))
 
     banks = ring.banks()
@@ -267,13 +267,25 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
 
     config = vault.config()
     model = _model_of(vault, config)
-    weights = dict(mx.load(str(vault.backbone_path)))
+    weights = backbone_weights(vault)
     for spec in vault.manifest.layers:
         for name, a in read_layer(vault, spec.layer).items():
             weights[f"{spec.module}.{name}"] = a
     _quantize_like_mlx_lm(model, config, weights)
     _load_cast(model, weights, compute_dtype)
     return model
+
+
+def backbone_weights(vault: Vault) -> dict[str, Any]:
+    """The backbone's tensors, lazily: backbone.safetensors, or a checkpoint folder's
+    shards through mlx-lm's loader (smoe.compute.source_backbone)."""
+    from smoe.vault.source import Source
+
+    if isinstance(vault, Source):
+        from smoe.compute.source_backbone import source_backbone
+
+        return source_backbone(vault)
+    return dict(mx.load(str(vault.backbone_path)))
 
 
 def _load_cast(model: nn.Module, weights: dict[str, Any], compute_dtype: mx.Dtype) -> None:

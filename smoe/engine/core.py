@@ -37,6 +37,7 @@ from smoe.engine.ring_plan import RingPlan, choose_device, current_device, plan_
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
+from smoe.io.shard_reader import ShardReader
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.parallel.watchdog import Watchdog
@@ -45,16 +46,19 @@ from smoe.sched.policy import PinnedHot
 from smoe.sched.popularity import Popularity
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
+from smoe.vault.source import Source, open_model
 
 if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
 
 
 class Engine(GroupAPI):
-    """A vault opened for inference. Create with ``Engine.open`` and use as ``async with``."""
+    """A vault (or a checkpoint folder, streamed from its shards) opened for inference.
+    Create with ``Engine.open`` and use as ``async with``."""
 
     def __init__(self, vault: Vault | str | Path, options: EngineOptions) -> None:
-        self.vault = vault if isinstance(vault, Vault) else Vault.open(vault)
+        # A vault, or a checkpoint folder streamed from its shards (docs/sources.md).
+        self.vault = vault if isinstance(vault, Vault) else open_model(vault)
         self.options = options
         self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
         self._lock = asyncio.Lock()  # one job at a time on the compute thread
@@ -68,8 +72,10 @@ class Engine(GroupAPI):
     def open(
         cls, vault: Vault | str | Path, memory: int | str | None = None, **options: Any
     ) -> Engine:
-        """An engine for ``vault`` (not started: use ``async with``). Options: see
-        EngineOptions. Raises VaultError for a bad vault, SmoeError for a bad option."""
+        """An engine for ``vault``: a vault, or a downloaded checkpoint folder streamed
+        from its shards (not started: use ``async with``). Options: see EngineOptions.
+        Raises VaultError for a bad vault, CheckpointError or UnsupportedModelError for a
+        folder that cannot be streamed (naming the fix), SmoeError for a bad option."""
         return cls(vault, EngineOptions(memory=memory, **options))
 
     # ---------------------------------------------------------------- lifecycle
@@ -140,9 +146,15 @@ class Engine(GroupAPI):
     def _start_io(self) -> None:
         """The I/O workers, the popularity counts and the scheduler over the ring."""
         m, o = self.vault.manifest, self.options
-        self.reader = DirectReader(
-            self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
-        )
+        self.reader: DirectReader | ShardReader
+        if isinstance(self.vault, Source):
+            self.reader = ShardReader(
+                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+            )
+        else:
+            self.reader = DirectReader(
+                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+            )
         if not hasattr(self, "popularity"):
             self.popularity = Popularity(self.vault)
         self.tracer.observers.popularity = self.popularity

@@ -212,7 +212,7 @@ def gpu_room(
     and the KV caches' room (at most a quarter of the free memory)."""
     free = device.free_memory or 0
     kv = min(kv_room(vault.config(), dtype, max_batch, max_context), free // 4)
-    return max(0, int(free * 0.9) - vault.backbone_path.stat().st_size - kv)
+    return max(0, int(free * 0.9) - int(vault.manifest.backbone["bytes"]) - kv)
 
 
 def plan_ring(

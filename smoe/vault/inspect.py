@@ -34,8 +34,26 @@ def summary(vault: Vault) -> dict[str, Any]:
             "components": [c.to_json() for c in m.record.components],
         },
         "experts_bytes": m.experts_bytes,
-        "backbone_bytes": vault.backbone_path.stat().st_size,
+        "backbone_bytes": m.backbone["bytes"],  # the file's size (checked at open)
         "total_bytes": sum(p.stat().st_size for p in vault.path.rglob("*") if p.is_file()),
+        **_streamed(vault),
+    }
+
+
+def _streamed(vault: Vault) -> dict[str, Any]:
+    """For a checkpoint folder (a Source): how its experts would be read."""
+    from smoe.vault.source import Source
+
+    if not isinstance(vault, Source):
+        return {}
+    index = vault.index
+    return {
+        "streamed": {
+            "shards": len(index.files),
+            "reads_per_expert": round(index.reads_per_expert(), 2),
+            "stacked": index.stacked,
+            "stats_dir": str(vault.stats_dir),
+        }
     }
 
 
@@ -63,6 +81,14 @@ def render(info: dict[str, Any]) -> str:
         f"{format_bytes(info['backbone_bytes'])}, total {format_bytes(info['total_bytes'])}",
         "components " + ", ".join(f"{c['name']} {c['dtype']}{c['shape']}" for c in r["components"]),
     ]
+    if "streamed" in info:  # a download: nothing is converted, experts come from its shards
+        st = info["streamed"]
+        lines[0] = f"download   {info['path']}  (streamed from its shards, no vault)"
+        lines.append(
+            f"streams    {st['reads_per_expert']:g} reads per expert from {st['shards']} "
+            f"shard(s); 'smoe convert' makes one read per expert, checksummed"
+        )
+    return "\n".join(lines)
     return "\n".join(lines)
 
 

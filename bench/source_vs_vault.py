@@ -1,0 +1,223 @@
+"""Generation straight from a download vs from its vault: same model, same budget, one run.
+
+    python bench/source_vs_vault.py WORKDIR [--memory 1GB] [--tokens 24] [--rounds 3]
+
+WORKDIR/src is a Qwen3-30B-A3B-geometry checkpoint (`smoe synth --preset qwen3-30b-a3b`:
+128 experts of 9.4 MB in bf16, top-8, 2 layers), made if missing; WORKDIR/vault is its
+`smoe convert --bits 16` (the same bytes, one record per expert), made if missing. Each
+round generates the same greedy tokens from both, alternating which goes first, each on a
+fresh engine with the same --memory budget. Before that, the readers alone read every
+expert once per round (GB/s, alternating). Prints one JSON object: per side the median
+decode and prefill tok/s over the rounds, the reads per expert (extents of the source's
+index; 1 for a vault record), bytes read per decoded token, the share of decode waiting
+for reads; the readers' GB/s; and source / vault ratios.
+Source statistics go to a cache under WORKDIR, not to the user's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from smoe.engine import Engine
+from smoe.synth import synthesize
+from smoe.vault.convert import ConvertOptions, convert
+from smoe.vault.source import Source
+
+
+def prepare(work: Path) -> tuple[Path, Path]:
+    src, vault = work / "src", work / "vault"
+    if not (src / "config.json").exists():
+        print("synthesizing the checkpoint ...", file=sys.stderr)
+        synthesize(src, arch="qwen3_moe", preset="qwen3-30b-a3b", seed=0)
+    if not (vault / "manifest.json").exists():
+        print("converting it (--bits 16) ...", file=sys.stderr)
+        convert(src, vault, ConvertOptions(bits=16))
+    return src, vault
+
+
+async def one_run(path: Path, prompt: list[int], tokens: int, memory: str) -> dict[str, Any]:
+    async with Engine.open(path, memory=memory) as engine:
+        out: list[int] = []
+        stats = None
+        async for ev in engine.generate(prompt, max_tokens=tokens, stop_at_eos=False):
+            if ev.token is not None:
+                out.append(ev.token)
+            stats = ev.stats or stats
+        assert stats is not None
+        # A vault reads one record per read; a source as many extents as its index says.
+        records = getattr(engine.reader, "records", None)
+        reads = getattr(engine.reader, "reads", None)
+        return {
+            "tokens": out,
+            "decode_tok_s": stats.decode_tok_s,
+            "prefill_tok_s": stats.prefill_tok_s,
+            "decode_bytes_per_token": stats.decode_bytes_per_token,
+            "decode_hit_rate": stats.decode_hit_rate,
+            "decode_io_wait_share": stats.decode_io_wait_share,
+            "records_read": records,
+            "reads": reads,
+            "slots": engine.ring.num_slots,
+            "ring": engine.ring.kind,
+            "direct_io": engine.reader.direct,
+        }
+
+
+class _HostRing:
+    """Landings over host memory on huge pages: what a reader fills, with no compute."""
+
+    kind = "unified"
+
+    def __init__(self, stride: int, slots: int) -> None:
+        import numpy as np
+
+        from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+
+        self.stride, self.num_slots = stride, slots
+        raw = np.empty(stride * slots + HUGE_PAGE, dtype=np.uint8)
+        start = (-int(raw.ctypes.data)) % HUGE_PAGE
+        self.memory = raw[start : start + stride * slots]
+        advise_huge_pages(int(self.memory.ctypes.data), self.memory.nbytes)
+        self.memory.fill(0)
+
+    def land(self, slot: int) -> Any:
+        view = memoryview(self.memory[slot * self.stride : (slot + 1) * self.stride])
+
+        class Landing:
+            memory = view
+
+            def finish(self) -> memoryview:
+                return view
+
+            def hand_over(self) -> None:
+                pass
+
+            def discard(self) -> None:
+                pass
+
+        return Landing()
+
+
+async def read_all(reader: Any, records: int, slots: int) -> float:
+    """Seconds to read every record once, one read in flight per slot (a slot is read
+    into again only once its last read is done)."""
+    start = time.perf_counter()
+    free = list(range(slots))
+    pending: dict[asyncio.Future[int], int] = {}
+    for r in range(records):
+        if not free:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a failed read fails the benchmark
+                free.append(pending.pop(task))
+        slot = free.pop()
+        pending[asyncio.ensure_future(reader.read(r, slot))] = slot
+    await asyncio.gather(*pending)
+    return time.perf_counter() - start
+
+
+async def io_only(src: Path, vault_path: Path, rounds: int) -> dict[str, Any]:
+    """GB/s reading every expert once, 8 reads in flight, 4 workers: the readers alone,
+    alternating (the vault's reads verified against their checksums, as the engine's)."""
+    from smoe.io.direct import DirectReader
+    from smoe.io.shard_reader import ShardReader
+    from smoe.vault.format import Vault
+
+    source, vault = Source.open(src), Vault.open(vault_path)
+    ring = _HostRing(vault.manifest.record.stride, 8)
+    n, size = vault.manifest.num_records, vault.manifest.record.size
+    rates: dict[str, list[float]] = {"source": [], "vault": []}
+    for r in range(rounds):
+        order = ["source", "vault"] if r % 2 == 0 else ["vault", "source"]
+        for name in order:
+            reader: Any = (
+                ShardReader(source, ring, workers=4)
+                if name == "source"
+                else DirectReader(vault, ring, workers=4)
+            )
+            try:
+                rates[name].append(n * size / await read_all(reader, n, 8) / 1e9)
+            finally:
+                reader.close()
+    out: dict[str, Any] = {f"{k}_gb_s": statistics.median(v) for k, v in rates.items()}
+    out.update({f"{k}_gb_s_runs": [round(x, 2) for x in v] for k, v in rates.items()})
+    out["ratio_source_over_vault"] = out["source_gb_s"] / out["vault_gb_s"]
+    return out
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("work", type=Path)
+    p.add_argument("--memory", default="1GB", help="the ring's budget, the same for both")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("SMOE_CACHE", str(args.work / "cache"))
+    src, vault = prepare(args.work)
+    io = await io_only(src, vault, args.rounds)
+    print(f"reads alone: {io}", file=sys.stderr)
+    prompt = [(7 * i + 3) % 4000 + 2 for i in range(args.prompt_tokens)]
+    runs: dict[str, list[dict[str, Any]]] = {"source": [], "vault": []}
+    for r in range(args.rounds):
+        order = [("source", src), ("vault", vault)]
+        for name, path in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(await one_run(path, prompt, args.tokens, args.memory))
+            last = runs[name][-1]
+            print(
+                f"round {r}: {name} {last['decode_tok_s']:.2f} tok/s, "
+                f"io wait {last['decode_io_wait_share']:.0%}",
+                file=sys.stderr,
+            )
+    same = all(
+        a["tokens"] == b["tokens"] for a, b in zip(runs["source"], runs["vault"], strict=True)
+    )
+
+    def side(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        last = rs[-1]
+        return {
+            "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
+            "decode_tok_s_runs": [round(x["decode_tok_s"], 3) for x in rs],
+            "prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rs),
+            "reads_per_expert": (last["reads"] / last["records_read"]) if last["reads"] else 1.0,
+            "decode_mb_per_token": last["decode_bytes_per_token"] / 1e6,
+            "decode_hit_rate": last["decode_hit_rate"],
+            "decode_io_wait_share_runs": [round(x["decode_io_wait_share"], 3) for x in rs],
+            "slots": last["slots"],
+            "ring": last["ring"],
+            "direct_io": last["direct_io"],
+        }
+
+    s, v = side(runs["source"]), side(runs["vault"])
+    index = Source.open(src).index
+    print(
+        json.dumps(
+            {
+                "model": "qwen3_moe, Qwen3-30B-A3B expert geometry, 2 layers, bf16 experts",
+                "record_bytes": index.layout.size,
+                "shards": len(index.files),
+                "memory": args.memory,
+                "tokens": args.tokens,
+                "prompt_tokens": args.prompt_tokens,
+                "rounds": args.rounds,
+                "same_tokens": same,
+                "source": s,
+                "vault": v,
+                "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
+                "io_only": io,
+                "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,304 @@
+"""The read backend for a checkpoint folder: each expert read from its original shards.
+
+A record of a ``Source`` (smoe.vault.source) is a few file extents (smoe.vault.source_index:
+one for a Hugging Face expert whose tensors sit side by side, one per component for an
+mlx-community stacked layout). Each extent is read with O_DIRECT as its aligned superset
+(the offset rounded down and the end up to 4 KiB) into an aligned bounce buffer of the
+reading thread, and its pieces are copied to their places in the ring's landing. Large
+extents are read in parts at once (the worker's and helper threads'), as DirectReader
+reads large records. Where O_DIRECT is refused, reads are buffered (``open_direct``).
+
+Same contract as DirectReader (``ReadBackend``): ``await read(record, slot, priority)``,
+``workers`` threads taking demand before speculation from one queue, ``close``; EINTR and
+EAGAIN retried, short reads continued; every failure a VaultReadError naming the shard,
+the layer, the expert and the fix. There are no checksums to verify (docs/sources.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from smoe.errors import VaultReadError
+from smoe.io.direct_file import (
+    MAX_PARTS,
+    PART_BYTES,
+    READ_ATTEMPTS,
+    TRANSIENT_ERRNOS,
+    describe_os_error,
+    open_vault_file,
+)
+from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+from smoe.io.read_queue import ReadJob, ReadQueue
+from smoe.io.ring import ExpertRing
+from smoe.vault.source import Source
+from smoe.vault.source_index import Extent
+
+if TYPE_CHECKING:
+    from smoe.sched.types import ReadBackend
+
+BLOCK = 4096  # O_DIRECT's offsets, lengths and buffer addresses are multiples of this
+FIX = "check the disk (dmesg) and download the model again, or convert it: smoe convert SRC VAULT"
+
+
+def _bounce_buffer(n: int) -> np.ndarray:
+    """At least ``n`` bytes at a 2 MiB-aligned address, on huge pages where the kernel
+    grants them: O_DIRECT into 4 KiB pages runs at ~40% of the rate (smoe.io.hugepages)."""
+    n = -(-n // HUGE_PAGE) * HUGE_PAGE
+    raw = np.empty(n + HUGE_PAGE, dtype=np.uint8)
+    start = (-int(raw.ctypes.data)) % HUGE_PAGE
+    buf = raw[start : start + n]
+    advise_huge_pages(int(buf.ctypes.data), n)
+    buf.fill(0)  # touched now, once, not during the first reads
+    return buf
+
+
+def _chunks(extent: Extent, parts: int) -> list[tuple[int, int]]:
+    """[a, b) byte ranges of ``extent`` read at once: ``parts`` of at least PART_BYTES."""
+    n = max(1, min(parts, extent.length // PART_BYTES))
+    edges = [0] + [extent.length * i // n // BLOCK * BLOCK for i in range(1, n)] + [extent.length]
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+
+
+class ShardReader:
+    """ReadBackend for a Source and a ring: ``await read(record, slot)`` fills the slot
+    from the shards. ``reads`` counts the extent reads issued (parts of one count once).
+    Close it (or use it as a context manager) to stop the threads and close the files."""
+
+    def __init__(
+        self,
+        source: Source,
+        ring: ExpertRing,
+        workers: int = 4,
+        direct: bool = True,
+        parts: int | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if ring.stride != source.manifest.record.stride:
+            raise ValueError(
+                f"the ring's slots are {ring.stride} bytes, the source's records "
+                f"{source.manifest.record.stride}: make the ring from this source's layout"
+            )
+        self.source = source
+        self.index = source.index
+        self.ring = ring
+        self.stride = ring.stride
+        self.workers = workers
+        self.reads = 0  # extent reads issued
+        self.records = 0  # records read
+        self._count_lock = threading.Lock()
+        self._parts = parts if parts is not None else MAX_PARTS
+        self._buffers = threading.local()
+        self.fds: list[int] = []
+        self.direct = True
+        try:
+            for f in self.index.files:
+                fd, direct_ok = open_vault_file(f, direct)
+                self.fds.append(fd)
+                self.direct = self.direct and direct_ok
+        except BaseException:
+            for fd in self.fds:
+                os.close(fd)
+            raise
+        # One bounce buffer per reading thread, made now: not during the first reads.
+        largest = max(
+            b - a for ex in self.index.extents for e in ex for a, b in _chunks(e, self._parts)
+        )
+        self._spare = [
+            _bounce_buffer(largest + 2 * BLOCK) for _ in range(workers * max(1, self._parts))
+        ]
+        self._helpers = concurrent.futures.ThreadPoolExecutor(
+            workers * max(1, self._parts - 1), thread_name_prefix="smoe-io-part"
+        )
+        self._queue = ReadQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"smoe-io-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
+        """Read record ``record`` into ring slot ``slot``; return the stride once the slot
+        holds it. ``priority`` 0 (demand) is taken before 1 (speculative).
+
+        Raises VaultReadError (naming the shard, layer, expert and fix; ``errno`` kept) on
+        an I/O error retries did not cure or a shard cut short; IndexError for a record or
+        slot out of range; RuntimeError after close(), or when close() drops it queued.
+        Cancellation: a read not started is dropped; one in progress is waited for, then
+        CancelledError is raised, so no thread writes into the slot after this returns.
+        """
+        if self._closed:
+            raise RuntimeError("ShardReader is closed")
+        if not 0 <= record < len(self.index.extents):
+            raise IndexError(f"record {record} out of range 0..{len(self.index.extents) - 1}")
+        if not 0 <= slot < self.ring.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.ring.num_slots - 1}")
+        job = ReadJob(record, slot, concurrent.futures.Future())
+        self._queue.put(job, priority)
+        done = asyncio.wrap_future(job.future)
+        try:
+            return await asyncio.shield(done)  # cancelling us must not lose the thread
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.future.cancelled() and not (task is not None and task.cancelling()):
+                raise RuntimeError(f"ShardReader closed before record {record} was read") from None
+            if self._queue.remove(job):
+                job.future.cancel()
+            else:  # running: wait until its thread is done with the slot
+                while not done.done():
+                    try:
+                        await asyncio.wait([done])
+                    except asyncio.CancelledError:
+                        continue
+                if not done.cancelled():
+                    done.exception()  # retrieved: the cancellation wins
+            raise
+
+    def _work(self) -> None:
+        """A worker thread: take reads until closed."""
+        while (job := self._queue.take()) is not None:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                land = self.ring.land(job.slot)  # RuntimeError once the ring is closed
+            except BaseException as e:
+                job.future.set_exception(e)
+                continue
+            try:
+                self._fill(land.memory, job.record)
+                land.finish()
+            except BaseException as e:
+                land.discard()
+                job.future.set_exception(e)
+                continue
+            land.hand_over()
+            job.future.set_result(self.stride)
+
+    def _fill(self, view: memoryview, record: int) -> None:
+        """Blocking: every extent of ``record`` into ``view`` (the slot's landing). The
+        first part is read here, the others on helper threads at once; returns once all
+        have finished (the first error raised)."""
+        extents = self.index.extents[record]
+        with self._count_lock:
+            self.reads += len(extents)
+            self.records += 1
+        dest = np.frombuffer(view, dtype=np.uint8)
+        work = [(e, a, b) for e in extents for a, b in _chunks(e, self._parts)]
+        helpers = [self._helpers.submit(self._read_part, dest, record, *w) for w in work[1:]]
+        try:
+            self._read_part(dest, record, *work[0])
+        finally:
+            concurrent.futures.wait(helpers)  # no thread writes into the landing after
+        for h in helpers:
+            h.result()
+
+    def _bounce(self, n: int) -> np.ndarray:
+        """This thread's bounce buffer, of at least ``n`` bytes: one made when the reader
+        opened (sized for the largest part), grown only if needed."""
+        buf: np.ndarray | None = getattr(self._buffers, "buf", None)
+        if buf is None:
+            with self._count_lock:
+                buf = self._spare.pop() if self._spare else None
+        if buf is None or len(buf) < n:
+            buf = _bounce_buffer(n)
+        self._buffers.buf = buf
+        return buf
+
+    def _read_part(self, dest: np.ndarray, record: int, extent: Extent, a: int, b: int) -> None:
+        """Bytes [a, b) of ``extent``: its aligned superset read into this thread's bounce
+        buffer, then each piece's share copied to its place in ``dest``."""
+        start, end = extent.offset + a, extent.offset + b
+        lo = start - start % BLOCK
+        hi = -(-end // BLOCK) * BLOCK
+        buf = self._bounce(hi - lo)
+        self._read_span(buf[: hi - lo], record, extent.file, lo, end - lo)
+        for p in extent.pieces:
+            s, t = max(a, p.src), min(b, p.src + p.nbytes)
+            if s < t:
+                dest[p.dst + s - p.src : p.dst + t - p.src] = buf[
+                    s - a + start - lo : t - a + start - lo
+                ]
+
+    def _read_span(self, buf: np.ndarray, record: int, file: int, offset: int, need: int) -> None:
+        """At least ``need`` bytes of file ``file`` from ``offset`` (aligned) into ``buf``.
+        Short reads continue (O_DIRECT's come in whole blocks, but at the file's end);
+        EINTR and EAGAIN are retried up to READ_ATTEMPTS times in a row without progress;
+        anything else, or the file's end, is a VaultReadError."""
+        fd, done, stalled = self.fds[file], 0, 0
+        while done < need:
+            try:
+                n = os.preadv(fd, [buf[done:].data], offset + done)
+            except OSError as e:
+                stalled += 1
+                if e.errno in TRANSIENT_ERRNOS and stalled < READ_ATTEMPTS:
+                    continue
+                raise self._error(record, file, describe_os_error(e), e.errno) from e
+            if n == 0:
+                raise self._error(
+                    record, file, f"the file ends at byte {offset + done}: truncated", None
+                )
+            if done + n >= need:
+                return
+            if self.direct and n % BLOCK:  # O_DIRECT returns part of a block only at the end
+                raise self._error(
+                    record, file, f"the file ends at byte {offset + done + n}: truncated", None
+                )
+            done += n
+            stalled = 0
+
+    def _error(self, record: int, file: int, what: str, cause: int | None) -> VaultReadError:
+        layer, expert = self.source.manifest.record_key(record)
+        path = self.index.files[file]
+        return VaultReadError(
+            f"{path}: reading expert {expert} of layer {layer} failed: {what}; {FIX}",
+            path=path,
+            record=record,
+            key=(layer, expert),
+            errno=cause,
+        )
+
+    def close(self) -> None:
+        """Wait for reads in progress, drop queued ones, stop the threads, close the
+        files. Idempotent; blocking (it waits for at most ``workers`` reads)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for job in self._queue.close():
+            job.future.cancel()
+        for t in self._threads:
+            t.join()
+        self._helpers.shutdown(wait=True)
+        for fd in self.fds:
+            os.close(fd)
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "direct" if self.direct else "buffered"
+        return f"ShardReader({self.source.path}, {len(self.fds)} shards, {self.workers} workers, {mode})"
+
+
+if TYPE_CHECKING:  # mypy checks that ShardReader is a ReadBackend
+
+    def _is_read_backend(reader: ShardReader) -> ReadBackend:
+        return reader
