@@ -196,12 +196,14 @@ class DraftGovernor:
 @dataclass
 class Drafting:
     """What a Runner drafts with: the drafter, k (``tokens``), a governor per sequence
-    (``governor()``), the clock the governors are fed from, and the engine's counters."""
+    (``governor()``), the clock the governors are fed from, the generator of unseeded
+    requests' acceptance draws, and the engine's counters."""
 
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     tokens: int = 4
     governor: Callable[[], DraftGovernor] = DraftGovernor
     clock: Callable[[], float] = time.perf_counter
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)  # unseeded draws
     stats: DraftStats = field(default_factory=DraftStats)
 
     @classmethod

@@ -119,7 +119,6 @@ class Runner:
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
         self.resident = resident
         self.built_ahead = 0  # decode passes queued before the previous token was read
-        self._rng = np.random.default_rng()  # unseeded draft acceptance
 
     def _phase(self, phase: int) -> None:
         if self.tracer is not None:
@@ -448,7 +447,9 @@ class Runner:
                 logits = proc(history, logits)
         p = target_probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)
         rng = seeded_rng(seq.seed, position)
-        rng = self._rng if rng is None else rng
+        if rng is None:
+            assert self.drafting is not None
+            rng = self.drafting.rng
         if guess is None:
             return False, int(rng.choice(len(p), p=p))
         return accept_sampled(guess, p, rng)
