@@ -54,13 +54,12 @@ class NgramDrafter:
             hits = np.flatnonzero((windows == t[size - n :]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the latest match: most recent context
-                return t[start : start + k].tolist()
+                proposal: list[int] = t[start : start + k].tolist()
+                return proposal
         return []
 
 
-def accept_sampled(
-    draft: int, p: np.ndarray, rng: np.random.Generator
-) -> tuple[bool, int]:
+def accept_sampled(draft: int, p: np.ndarray, rng: np.random.Generator) -> tuple[bool, int]:
     """The exact acceptance rule for a drafted token ``draft`` proposed with certainty:
     accept it with probability p[draft]; else return a token drawn from p with ``draft``
     removed and the rest renormalised. The token returned is distributed as p.
@@ -92,7 +91,8 @@ def target_probs(logprobs: Any, params: Any) -> np.ndarray:
     scaled = np.array((logprobs * (1.0 / params.temperature)).astype(mx.float32))[0]
     scaled = scaled.astype(np.float64)
     e = np.exp(scaled - scaled.max())
-    return e / e.sum()
+    p: np.ndarray = e / e.sum()
+    return p
 
 
 def seeded_rng(seed: int | None, position: int) -> np.random.Generator | None:
