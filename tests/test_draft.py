@@ -375,3 +375,37 @@ def test_generate_cli_reports_the_drafts(vault, run_cli):
     assert stats["verify_passes"] + stats["plain_steps"] >= 1
     code, _, err = run_cli("generate", vault.path, "--prompt-ids", "3,4", "--draft-tokens", "0")
     assert code == 2 and "draft_tokens must lie in 1..32" in err
+
+
+# ---------------------------------------------------------------- the batcher's hook
+@pytest.mark.asyncio
+async def test_the_batcher_drafts_for_a_lone_request_and_steps_a_batch_plainly():
+    """A drafted step's tokens are each an event, cut at max_tokens and at an EOS; with two
+    requests decoding, one batched plain step (controlled fakes, no model)."""
+    import asyncio
+
+    from smoe.engine.batcher import Batcher, Meter
+    from tests.test_batcher import FakeRunner, GatedCompute, drain, ticket
+
+    runner, calls = FakeRunner(), []
+
+    def draft(seq, budget, eos):
+        calls.append((seq.name, budget))
+        new = [200 + len(seq.tokens) + i for i in range(min(3, budget))]
+        seq.tokens += new
+        return new
+
+    batcher = Batcher(GatedCompute(), runner, asyncio.Lock(), Meter, draft=draft)
+    a = batcher.submit(ticket("a", 0, 5))
+    assert await drain(a) == [
+        *[("token", t) for t in (200, 201, 202, 203, 204)],
+        ("end", "length"),
+    ]
+    assert calls == [("a", 5), ("a", 2)]  # the second step may give 2 tokens at most
+    b = batcher.submit(ticket("b", 0, 9, eos=frozenset([201])))
+    assert await drain(b) == [("token", 200), ("token", 201), ("end", "stop")]
+    c, d = batcher.submit(ticket("c", 0, 2)), batcher.submit(ticket("d", 0, 2))
+    got_c, got_d = await asyncio.gather(drain(c), drain(d))
+    assert got_c == got_d == [("token", 100), ("token", 101), ("end", "length")]
+    assert "step c,d" in runner.log and calls[-1][0] == "b"  # batched: no drafts
+    await batcher.close()

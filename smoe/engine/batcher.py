@@ -9,7 +9,9 @@ between iterations) and does, in order:
 2. run one prefill chunk of the oldest request still prefilling, so a long prompt delays
    the others' next token by one chunk at a time, not by its whole prefill;
 3. run one decode step of every request ready to sample, as one batched pass
-   (``Runner.step_batch``: per MoE layer the union of their experts is read once).
+   (``Runner.step_batch``: per MoE layer the union of their experts is read once); a
+   request decoding alone, with drafting on, takes a drafted step instead (``draft``:
+   ``Runner.step_draft``, 1 to k+1 tokens from one pass; docs/draft.md).
 
 Which requests steps 2 and 3 take is decided by ``next_prefill`` and ``ready_to_decode``,
 pure functions of the active tickets' states (as nano-vllm separates scheduling from running). A ticket moves
