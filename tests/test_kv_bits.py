@@ -203,3 +203,25 @@ def test_sliding_window_models_refuse_kv_bits():
     with pytest.raises(SmoeError, match="RotatingKVCache.*leave --kv-bits out"):
         Runner(Model(), kv_bits=8)
     Runner(Model())  # fine without
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_greedy_drafts_over_a_quantized_cache_are_plain_greedy_tokens(model, bits):
+    """--kv-bits with --draft: a verify pass writes k+1 quantized positions and trims the
+    rejected ones; its tokens are plain decoding's over the same quantized cache."""
+    from smoe.compute.draft import Drafting
+    from smoe.compute.runner import Runner, SamplingParams
+
+    loop = [5, 9, 31, 7, 64, 2, 17, 88, 40, 3] * 3  # a prompt to look drafts up in
+    plain = Runner(model, kv_bits=bits, kv_group_size=64)
+    seq = plain.start(loop, SamplingParams())
+    want = [plain.step(seq) for _ in range(40)]
+    runner = Runner(model, kv_bits=bits, kv_group_size=64, drafting=Drafting(tokens=4))
+    seq = runner.start(loop, SamplingParams())
+    got: list[int] = []
+    while len(got) < 40:
+        got += runner.step_draft(seq, 40 - len(got))
+    assert got == want
+    assert type(seq.cache[0]).__name__ == "QuantizedKVCache" and seq.cache[0].bits == bits
+    stats = runner.drafting.stats
+    assert stats.verify_passes > 0 and stats.accepted > 0

@@ -45,6 +45,8 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["ring_slots"] = engine.ring.num_slots
         stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
         stats["ring_bytes"] = engine.ring.nbytes
+        if engine.runner.drafting is not None:
+            stats["draft"] = engine.runner.drafting.stats.to_json()  # passes, acceptance
         if args.routing_archive:
             archive = engine.stop_recording()  # compressed and fsynced off the event loop
             saved = await anyio.to_thread.run_sync(archive.save, args.routing_archive)
@@ -217,6 +219,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "lookahead": args.lookahead,
         "distributed": args.distributed,
         "collective_timeout": args.collective_timeout,
+        "draft": args.draft,
+        "draft_tokens": args.draft_tokens,
     }
 
 
@@ -331,6 +335,21 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         default=0,
         help="gate-echo bets: prefetch gate ranks k..k+N-1 for the next token "
         "(default 0: measured net negative so far, docs/speculation.md)",
+    )
+    p.add_argument(
+        "--draft",
+        choices=("ngram",),
+        default=None,
+        help="draft tokens by prompt lookup and verify them in one pass (lossless: greedy "
+        "output unchanged; off by default, and off for a request while it does not pay: "
+        "docs/draft.md)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="with --draft: tokens drafted per verify pass (default 4)",
     )
 
 

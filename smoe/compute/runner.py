@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
+
 
 @dataclass
 class SamplingParams:
@@ -75,6 +77,8 @@ class Sequence_:
     # and that pass's deferred routing, counted once it is evaluated.
     ahead: mx.array | None = None
     ahead_routing: Any = None  # a DeferredRouting, or None
+    params: SamplingParams | None = None  # set by Runner.prepare (drafting reads it)
+    governor: Any = None  # a DraftGovernor once Runner.step_draft has run on it
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
@@ -137,8 +141,10 @@ class Runner:
         resident: Callable[[], bool] | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        drafting: Drafting | None = None,
     ) -> None:
         self.model = model
+        self.drafting = drafting  # prompt-lookup drafts (step_draft); None: off
         self.chunk = chunk
         # Quantized KV cache (mlx-lm's, from the first token: generate_step with
         # quantized_kv_start=0): every cache is converted after the pass that fills it.
@@ -216,7 +222,7 @@ class Runner:
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         self.settle(seq)
-        seq.seed = params.seed
+        seq.seed, seq.params, seq.governor = params.seed, params, None
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
         )
@@ -410,6 +416,98 @@ class Runner:
         for s in seqs:
             s.cached = len(s.tokens)
         return y
+
+    def step_draft(
+        self, seq: Sequence_, budget: int, stop: frozenset[int] = frozenset()
+    ) -> list[int]:
+        """A decode step of ``seq`` alone with a prompt-lookup draft (``self.drafting``):
+        verify up to k drafted tokens in one pass (``verify``), or a plain ``step`` when
+        there is no draft, drafting is off for this sequence (its governor), or the cache
+        cannot be trimmed. Returns the new tokens (1 to ``budget``), appended; the last may
+        be in ``stop``, after which nothing is appended. Greedy: the tokens plain steps
+        give; sampling: their distribution. Errors: as ``step`` (the sequence is reset)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        d = self.drafting
+        assert d is not None, "step_draft needs a Runner built with drafting"
+        if seq.governor is None:
+            seq.governor = d.governor()
+        gov = seq.governor
+        k = min(d.tokens, budget - 1)
+        draft: list[int] = []
+        if k > 0 and gov.wants_draft() and can_trim_prompt_cache(seq.cache):
+            draft = d.drafter.propose(seq.tokens, k)
+        start = d.clock()
+        if not draft:
+            # Build ahead (Runner.step) only while drafting is off: a verify pass would
+            # drop the pass built ahead.
+            token = self.step(seq, more=budget > 1 and not gov.drafting)
+            gov.plain(d.clock() - start)
+            d.stats.plain_steps += 1
+            return [token]
+        switched = gov.switch_offs
+        tokens = self.verify(seq, draft, stop)
+        gov.verified(d.clock() - start, len(tokens))
+        d.stats.verify_passes += 1
+        d.stats.drafted += len(draft)
+        d.stats.accepted += common_prefix(tokens, draft)  # a rejected draft's token differs
+        d.stats.switch_offs += gov.switch_offs - switched
+        return tokens
+
+    def verify(
+        self, seq: Sequence_, draft: list[int], stop: frozenset[int] = frozenset()
+    ) -> list[int]:
+        """Run ``[last token, *draft]`` as one chunk (each MoE layer reads the union of
+        their experts once), keep the longest prefix of ``draft`` the model accepts and the
+        model's own token after it; the rejected positions leave the cache. Acceptance:
+        greedy, the token plain decode picks; sampling, ``accept_sampled`` on the
+        distribution plain decode samples from. Stops after a token in ``stop``. Returns
+        the tokens appended to ``seq.tokens`` (1 to len(draft) + 1)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        self.settle(seq)
+        self._phase(1)
+        base = len(seq.tokens)
+        try:
+            y = self.model(mx.array([seq.tokens[-1], *draft])[None], cache=seq.cache)
+            self._quantize(seq.cache)
+            mx.eval(y)  # [1, k+1, V]: position j's logits give the token after draft[:j]
+            self._counted()
+        except BaseException:
+            self.reset(seq)
+            raise
+        for j in range(len(draft) + 1):
+            guess = draft[j] if j < len(draft) else None
+            accepted, token = self._judge(seq, y[:, j, :], guess)
+            seq.tokens.append(token)
+            if not accepted or token in stop:
+                break
+        # The pass put base + k entries in the cache; keep those of the tokens now
+        # before the last one.
+        trim_prompt_cache(seq.cache, base + len(draft) - (len(seq.tokens) - 1))
+        seq.cached = len(seq.tokens) - 1
+        return seq.tokens[base:]
+
+    def _judge(self, seq: Sequence_, logits: mx.array, guess: int | None) -> tuple[bool, int]:
+        """The token at ``len(seq.tokens)`` from ``logits`` [1, V], and whether it is
+        ``guess`` accepted (None: no draft left; the token is drawn as plain decode would)."""
+        position = len(seq.tokens)
+        params = seq.params
+        if params is None or params.temperature == 0:  # greedy: plain decode's own pick
+            token = int(self._draw(seq, logits, position).item())
+            return token == guess, token
+        if seq.processors:
+            history = mx.array(seq.tokens)
+            for proc in seq.processors:
+                logits = proc(history, logits)
+        p = target_probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)
+        rng = seeded_rng(seq.seed, position)
+        if rng is None:
+            assert self.drafting is not None
+            rng = self.drafting.rng
+        if guess is None:
+            return False, int(rng.choice(len(p), p=p))
+        return accept_sampled(guess, p, rng)
 
     def _sample(self, seq: Sequence_, logits: mx.array) -> int:
         """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""

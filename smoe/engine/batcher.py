@@ -9,7 +9,9 @@ between iterations) and does, in order:
 2. run one prefill chunk of the oldest request still prefilling, so a long prompt delays
    the others' next token by one chunk at a time, not by its whole prefill;
 3. run one decode step of every request ready to sample, as one batched pass
-   (``Runner.step_batch``: per MoE layer the union of their experts is read once).
+   (``Runner.step_batch``: per MoE layer the union of their experts is read once); a
+   request decoding alone, with drafting on, takes a drafted step instead (``draft``:
+   ``Runner.step_draft``, 1 to k+1 tokens from one pass; docs/draft.md).
 
 Which requests steps 2 and 3 take is decided by ``next_prefill`` and ``ready_to_decode``,
 pure functions of the active tickets' states (as nano-vllm separates scheduling from running). A ticket moves
@@ -168,6 +170,7 @@ class Batcher:
         max_batch: int = 8,
         on_demand: Callable[[], None] | None = None,
         on_idle: Callable[[], None] | None = None,
+        draft: Callable[[Any, int, frozenset[int]], list[int]] | None = None,
     ) -> None:
         if max_batch < 1:
             raise SmoeError("max_batch must be at least 1")
@@ -178,6 +181,9 @@ class Batcher:
         self.max_batch = max_batch
         self.on_demand = on_demand
         self.on_idle = on_idle
+        # draft(seq, budget, eos): a lone decoding request's step with a verified draft
+        # (Runner.step_draft); it returns 1..budget tokens. None: plain steps only.
+        self.draft = draft
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: list[Ticket] = []
         self.steps = 0  # batched decode passes run
@@ -339,7 +345,7 @@ class Batcher:
             # ``more``: whether any row will be stepped again (a row ending at its length
             # needs no pass built ahead of it; see Runner.step).
             more = any(t.generated + 1 < t.max_tokens for t in ready)
-            tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
+            runs = await self._step(ready, more)
         except Exception as e:
             for t in ready:
                 t._finish(Failed(e))
@@ -348,15 +354,27 @@ class Batcher:
         self.steps += 1
         self.step_rows += len(ready)
         share = cost.bytes_read // len(ready)  # one read served every row that used it
-        for ticket, token in zip(ready, tokens, strict=True):
+        for ticket, tokens in zip(ready, runs, strict=True):
             # The first token's step belongs to the time to first token, as in solo use.
             m = ticket.prefill if ticket.generated == 0 else ticket.decode
             m.add(cost, share)
             if ticket.generated > 0:
                 ticket.batch_sizes.append(len(ready))
-            ticket.generated += 1
-            ticket.events.put_nowait(Token(token))
-            if token in ticket.eos:
-                ticket._finish(End("stop"))
-            elif ticket.generated >= ticket.max_tokens:
-                ticket._finish(End("length"))
+            for token in tokens:
+                ticket.generated += 1
+                ticket.events.put_nowait(Token(token))
+                if token in ticket.eos:
+                    ticket._finish(End("stop"))
+                elif ticket.generated >= ticket.max_tokens:
+                    ticket._finish(End("length"))
+                if ticket.finished:
+                    break
+
+    async def _step(self, ready: list[Ticket], more: bool) -> list[list[int]]:
+        """Each ready ticket's new tokens: a drafted step when one request decodes alone
+        and drafting is on, else one batched step (one token each)."""
+        if self.draft is not None and len(ready) == 1:
+            t = ready[0]
+            return [await self.compute.run(self.draft, t.seq, t.max_tokens - t.generated, t.eos)]
+        tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
+        return [[token] for token in tokens]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from smoe.compute.draft import Drafting
 from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
@@ -106,6 +107,7 @@ class Engine(GroupAPI):
             self._meter,
             max_batch=self.options.max_batch,
             on_demand=self._demand_arrives,
+            draft=self.runner.step_draft if self.runner.drafting is not None else None,
         )
         limit = self.vault.config().get("max_position_embeddings") or 4096
         self.max_context = min(self.options.max_context or limit, limit)
@@ -240,6 +242,7 @@ class Engine(GroupAPI):
         model = build_model(self.vault, self.ring, source, self.dtype, self.tracer, shards=shards)
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
         layers = len(self.vault.manifest.layers)
+        o = self.options
         return Runner(
             model,
             chunk=self.options.prefill_chunk,
@@ -251,6 +254,7 @@ class Engine(GroupAPI):
             resident=lambda: (
                 self.slots.all_resident(layers) and not self.tracer.needs_routing_now()
             ),
+            drafting=Drafting.named(o.draft, o.draft_tokens) if o.draft else None,
         )
 
     def _load_tokenizer(self) -> Any:

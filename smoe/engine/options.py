@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from smoe.compute.draft import DRAFTERS, MAX_DRAFT_TOKENS
 from smoe.errors import SmoeError
 from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
@@ -38,6 +39,10 @@ class EngineOptions:
     # ranks with ("any", "ring", "mpi", "nccl", "jaccl"); None: this process alone.
     distributed: str | None = None
     collective_timeout: float = 120.0  # seconds a sum over ranks may wait before giving up
+    # Prompt-lookup drafts verified in one pass (docs/draft.md): "ngram" or None (off);
+    # draft_tokens: tokens drafted per pass (k).
+    draft: str | None = None
+    draft_tokens: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self, top_k: int, num_experts: int) -> None:
@@ -71,6 +76,7 @@ class EngineOptions:
             )
         if not self.collective_timeout > 0:
             raise SmoeError("collective_timeout must be positive (seconds)")
+        self._check_draft()
         if not 0 <= self.spec <= num_experts - top_k:
             raise SmoeError(
                 f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
@@ -86,6 +92,14 @@ class EngineOptions:
             raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
         if hinted and not top_k < self.hint_depth_for(top_k, num_experts) <= num_experts:
             raise SmoeError(f"hint_depth must lie in {top_k + 1}..{num_experts}")
+
+    def _check_draft(self) -> None:
+        if self.draft is not None and self.draft not in DRAFTERS:
+            raise SmoeError(f"unknown draft {self.draft!r}; use {', '.join(DRAFTERS)}")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SmoeError(f"draft_tokens must lie in 1..{MAX_DRAFT_TOKENS}")
+        if self.draft is not None and self.distributed is not None:
+            raise SmoeError("--draft is not supported with --distributed; drop one of them")
 
     def hint_depth_for(self, top_k: int, num_experts: int) -> int:
         """The gate ranks a '+hint' policy is fed: hint_depth, else 4 x top_k."""
