@@ -34,8 +34,10 @@ async def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
-    async with Engine.open(args.vault, **_engine_options(args)) as engine:
+    # One sequence: the memory budget keeps KV room for one (smoe.engine.budget).
+    async with Engine.open(args.vault, **_engine_options(args), max_batch=1) as engine:
         quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
+        _say_memory(engine, quiet)
         if engine.ranks is not None and args.temp > 0 and args.seed is None:
             args.seed = await engine.from_rank0(secrets.randbits(31))  # every rank samples alike
         if args.routing_archive:
@@ -138,7 +140,8 @@ async def _chat(args: argparse.Namespace) -> int:
     suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
-    async with Engine.open(vault, **_engine_options(args)) as engine:
+    async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
+        _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
         if await _follow_rank0(engine):
             return 0
         print(
@@ -185,6 +188,7 @@ async def _serve(args: argparse.Namespace) -> int:
         cached_bytes=parse_size(args.prefix_cache),
     )
     async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
+        _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
         if await _follow_rank0(engine):
             return 0
 
@@ -199,6 +203,12 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_memory(engine: Any, quiet: bool) -> None:
+    """How --memory divided: one line on stderr (smoe.engine.budget.Fit.line)."""
+    if engine.fit is not None and not quiet:
+        print(engine.fit.line(), file=sys.stderr)
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.open keyword arguments from the options _memory_option adds."""
     return {
@@ -207,6 +217,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
+        "max_context": args.max_context,
         "device": args.device,
         "ring": args.ring,
         "policy": args.policy,
@@ -260,8 +271,17 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory",
         default=None,
-        help="expert ring budget, e.g. 6GB (default: every expert if they fit in half the "
-        "available memory beside the backbone, else as many as fit)",
+        help="the whole process's memory, e.g. 6GB: backbone + KV caches + working memory "
+        "+ the expert ring, which gets the rest (`smoe plan` shows the split; default: every "
+        "expert if they fit in half the available memory beside the backbone, else as many "
+        "as fit)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="longest prompt + reply in tokens, which the KV caches are budgeted for "
+        "(default: the model's max_position_embeddings)",
     )
     p.add_argument(
         "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
+from smoe.engine.budget import Fit
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.mirror import Leader, Request
@@ -49,6 +51,8 @@ from smoe.vault.format import Vault
 if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
 
+log = logging.getLogger("smoe.engine")
+
 
 class Engine(GroupAPI):
     """A vault opened for inference. Create with ``Engine.open`` and use as ``async with``."""
@@ -63,6 +67,7 @@ class Engine(GroupAPI):
         # None when one process computes every expert.
         self.ranks: Ranks | None = None
         self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
+        self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
 
     @classmethod
     def open(
@@ -79,6 +84,9 @@ class Engine(GroupAPI):
         what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
         VaultError for a vault that does not verify."""
         plan = self._check_and_plan()
+        self.fit = plan.fit
+        if plan.fit is not None:
+            log.info(plan.fit.line())
         # The backbone is untrusted: hash it (once per change of the file) before loading it.
         await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
@@ -123,6 +131,9 @@ class Engine(GroupAPI):
             slots=o.slots,
             max_batch=o.max_batch,
             max_context=o.max_context,
+            kv_bits=o.kv_bits,
+            prefill_chunk=o.prefill_chunk,
+            workers=o.workers,
         )
 
     async def _join_group(self, plan: RingPlan) -> RingPlan:

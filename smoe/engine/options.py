@@ -13,14 +13,17 @@ from smoe.sched.policy import POLICIES
 
 @dataclass
 class EngineOptions:
-    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
-    # else what does (smoe.engine.ring_plan: the GPU's free memory, or half the available memory)
+    memory: int | str | None = None  # the whole process's budget, e.g. "6GB": backbone + KV
+    # caches + working memory + the ring, which gets what remains (smoe.engine.budget); None:
+    # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
+    # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
     read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
     max_context: int | None = None  # None: the model's max_position_embeddings
+    kv_bits: int | None = None  # quantized KV cache (mlx-lm): 4 or 8 bits; None: model dtype
     policy: str = "lfu"  # decayed LFU: fewest misses in docs/cache-policy.md; a "+hint"
     # suffix (lru+hint, lfu+hint, lru-layer+hint) feeds it the router's near misses
     hint_depth: int | None = None  # +hint: gate ranks top_k..hint_depth-1 (None: 4 x top_k)
