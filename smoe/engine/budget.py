@@ -135,6 +135,47 @@ def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: 
 
 
 @dataclass(frozen=True)
+class Parts:
+    """The budget's parts beside the ring (bytes), for one model, device and options."""
+
+    backbone: int
+    kv: int
+    working: int
+    context: int  # tokens the KV caches are budgeted for
+    sequences: int
+    kv_bits: int | None
+
+    @property
+    def fixed(self) -> int:
+        return self.backbone + self.kv + self.working
+
+
+def parts(
+    config: dict[str, Any],
+    backbone: int,
+    dsize: int,
+    *,
+    context: int | None = None,
+    sequences: int = 1,
+    kv_bits: int | None = None,
+    prefill_chunk: int = 64,
+    landing: int = 0,
+    device_memory: bool = False,
+) -> Parts:
+    """Backbone (its in-memory bytes, ``backbone_bytes``), KV for ``sequences`` sequences
+    at ``context`` tokens (None or beyond the model's: the model's max), and working
+    memory, plus ``landing`` bytes of host buffers (a staged ring's). ``device_memory``: a
+    discrete GPU's budget, which the host's runtime is not in."""
+    attn = Attention.of(config)
+    context = min(context or attn.max_context, attn.max_context)
+    working = working_bytes(attn, dsize, prefill_chunk, context, sequences) + landing
+    if device_memory:
+        working -= RUNTIME_BYTES
+    kv = kv_bytes(attn, dsize, context, sequences, kv_bits)
+    return Parts(backbone, kv, working, context, sequences, kv_bits)
+
+
+@dataclass(frozen=True)
 class Fit:
     """How a whole-process budget divides (bytes)."""
 
@@ -193,43 +234,32 @@ def suggest_at_least(nbytes: int) -> str:
 
 
 def fit(
-    memory: int | str,
-    *,
-    backbone: int,
-    kv: int,
-    working: int,
-    slot_bytes: int,
-    min_slots: int,
-    num_records: int,
-    context: int,
-    sequences: int,
-    kv_bits: int | None,
+    memory: int | str, needs: Parts, *, slot_bytes: int, min_slots: int, num_records: int
 ) -> Fit:
-    """The ring a budget of ``memory`` leaves beside the rest, in whole slots (at most
+    """The ring a budget of ``memory`` leaves beside ``needs``, in whole slots (at most
     every expert). Raises SmoeError naming the smallest budget that works (``min_slots``
     slots: one layer's top-k) and the options that shrink the rest."""
     total = parse_size(memory)
-    fixed = backbone + kv + working
-    slots = min(max(total - fixed, 0) // slot_bytes, num_records)
+    slots = min(max(total - needs.fixed, 0) // slot_bytes, num_records)
     if slots < min_slots:
-        need = fixed + min_slots * slot_bytes
+        need = needs.fixed + min_slots * slot_bytes
         shown = memory.strip() if isinstance(memory, str) else format_bytes(total)
         raise SmoeError(
-            f"a memory budget of {shown} cannot hold backbone {format_bytes(backbone)} + KV "
-            f"{format_bytes(kv)} ({sequences} x {context} context) + working "
-            f"{format_bytes(working)} + {min_slots} expert slots of {format_bytes(slot_bytes)}"
-            f": the smallest that works is --memory {suggest_at_least(need)} (or shrink the "
-            "KV cache: --max-context, --max-batch, --kv-bits)"
+            f"a memory budget of {shown} cannot hold backbone {format_bytes(needs.backbone)} "
+            f"+ KV {format_bytes(needs.kv)} ({needs.sequences} x {needs.context} context) + "
+            f"working {format_bytes(needs.working)} + {min_slots} expert slots of "
+            f"{format_bytes(slot_bytes)}: the smallest that works is --memory "
+            f"{suggest_at_least(need)} (or shrink the KV cache: --max-context, --kv-bits)"
         )
     return Fit(
         total,
-        backbone,
-        kv,
-        working,
+        needs.backbone,
+        needs.kv,
+        needs.working,
         slot_bytes,
         int(slots),
         num_records,
-        context,
-        sequences,
-        kv_bits,
+        needs.context,
+        needs.sequences,
+        needs.kv_bits,
     )

@@ -20,15 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from smoe.engine.budget import (
-    RUNTIME_BYTES,
-    Attention,
-    Fit,
-    backbone_bytes,
-    fit,
-    kv_bytes,
-    working_bytes,
-)
+from smoe.engine.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
 from smoe.errors import SmoeError
 from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
@@ -207,42 +199,33 @@ def slot_bytes(kind: str, layout: RecordLayout, dtype: Any) -> int:
     return UnifiedRing.slot_bytes(layout)
 
 
-def attention(vault: Vault) -> Attention:
-    return Attention.of(vault.config())
-
-
-def budget_context(vault: Vault, max_context: int | None) -> int:
-    """The context the KV caches are budgeted for: ``max_context``, at most the model's."""
-    limit = attention(vault).max_context
-    return min(max_context or limit, limit)
-
-
-def fixed_parts(
+def budget_parts(
     vault: Vault,
     dtype: Any,
     *,
     kind: str,
+    discrete: bool = False,
     max_batch: int = 8,
     max_context: int | None = None,
     kv_bits: int | None = None,
     prefill_chunk: int = 64,
     workers: int = 4,
-) -> dict[str, int]:
-    """The budget's parts beside the ring (smoe.engine.budget): backbone, KV for
-    ``max_batch`` sequences at the budgeted context, working memory (with a staged ring's
-    host landing buffers: 2 per worker)."""
-    attn = attention(vault)
+) -> Parts:
+    """The budget's parts beside the ring (smoe.engine.budget.parts) for this vault: its
+    backbone as loaded, a staged ring's host landing buffers (2 per worker)."""
     dsize = int(dtype.size)
-    context = budget_context(vault, max_context)
-    working = working_bytes(attn, dsize, prefill_chunk, context, max_batch)
-    if kind == "staged":
-        working += 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN)
-    return {
-        "backbone": backbone_bytes(safetensors_header(vault.backbone_path), dsize),
-        "kv": kv_bytes(attn, dsize, context, max_batch, kv_bits),
-        "working": working,
-        "context": context,
-    }
+    landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
+    return parts(
+        vault.config(),
+        backbone_bytes(safetensors_header(vault.backbone_path), dsize),
+        dsize,
+        context=max_context,
+        sequences=max_batch,
+        kv_bits=kv_bits,
+        prefill_chunk=prefill_chunk,
+        landing=landing,
+        device_memory=discrete,
+    )
 
 
 def kv_room(config: dict[str, Any], dtype: Any, max_batch: int, max_context: int | None) -> int:
@@ -299,36 +282,25 @@ def plan_ring(
             reason=f"one layer's top-{top_k}",
         )
     else:
-        parts = fixed_parts(
+        needs = budget_parts(
             vault,
             dtype,
             kind=kind,
+            discrete=device.discrete,
             max_batch=max_batch,
             max_context=max_context,
             kv_bits=kv_bits,
             prefill_chunk=prefill_chunk,
             workers=workers,
         )
-        if device.discrete:  # device memory: the host's runtime is not in it
-            parts["working"] -= RUNTIME_BYTES
-        budget = fit(
-            memory,
-            backbone=parts["backbone"],
-            kv=parts["kv"],
-            working=parts["working"],
-            slot_bytes=per_slot,
-            min_slots=top_k,
-            num_records=m.num_records,
-            context=parts["context"],
-            sequences=max_batch,
-            kv_bits=kv_bits,
-        )
+        budget = fit(memory, needs, slot_bytes=per_slot, min_slots=top_k, num_records=m.num_records)
         count = budget.slots
     if room is not None and count * per_slot > room:
+        whole = room + (budget.fixed if budget is not None else 0)  # --memory is the whole
         raise SmoeError(
             f"a ring of {format_bytes(count * per_slot)} does not fit this GPU: "
             f"{format_bytes(room)} are free beside the backbone and the KV caches; use "
-            f"--memory {_size_at_most(room)} or less, or --device cpu"
+            f"--memory {_size_at_most(whole)} or less, or --device cpu"
         )
     return RingPlan(kind, count, per_slot, budget)
 

@@ -213,6 +213,24 @@ def _estimate_bytes(plan: ConversionPlan, layout: RecordLayout) -> int:
     return need + need // 50
 
 
+@dataclass(frozen=True)
+class SourceShape:
+    """What `convert` would make of a checkpoint, known without reading a weight."""
+
+    checkpoint: SourceCheckpoint
+    layout: RecordLayout  # one expert's record
+    backbone: dict[str, mx.array]  # the backbone's tensors as encoded (lazy: shapes, dtypes)
+
+
+def source_shape(src: Path | str, opts: ConvertOptions | None = None) -> SourceShape:
+    """The record layout and backbone ``convert(src, ..., opts)`` would write (`smoe plan`
+    on a source folder). Raises SmoeError as convert does for a bad source or option."""
+    ck = open_checkpoint(Path(src))
+    plan = _make_plan(ck, opts or ConvertOptions())
+    layout = _layout_of(plan.expert_tensors(ck.experts[0].path))
+    return SourceShape(ck, layout, plan.backbone_tensors())
+
+
 def convert(
     src: Path | str,
     dst: Path | str,

@@ -1,0 +1,112 @@
+"""`smoe plan`'s speed model: hit rates from routing curves, then decode and prefill
+tok/s bands and the cold-fill time from the disk and compute probes (smoe.bench.probe).
+Pure arithmetic (numpy); every formula is in docs/plan.md.
+
+Notation: L MoE layers of E experts, top-k per token, B bytes per record read, S ring
+slots, q[l, e] the probability that a token routes to expert e at layer l.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smoe.telemetry.traces import PRESETS, TARGETS
+
+# Published routing figures (smoe.telemetry.traces, docs/cache-policy.md): Zipf exponent of
+# expert popularity (assumed) and the share of a token's experts the next token reuses.
+PUBLISHED = "qwen3-235b-like"
+ZIPF = PRESETS[PUBLISHED].zipf
+ADJACENT_REUSE = TARGETS[PUBLISHED]["overlap"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The routed part of a model, as the forecast needs it."""
+
+    layers: int  # MoE layers
+    experts: int  # per layer
+    top_k: int
+    record_bytes: int  # bytes read per expert (the record stride)
+
+    @property
+    def records(self) -> int:
+        return self.layers * self.experts
+
+
+def routing_probabilities(shape: Shape, counts: np.ndarray | None) -> tuple[np.ndarray, str]:
+    """q [L, E]: each expert's chance to be in a token's top-k, from the vault's popularity
+    counts when it has any for every layer, else from the published Zipf curve (the same
+    for every layer). Returns (q, source)."""
+    k, e = shape.top_k, shape.experts
+    if counts is not None and counts.shape == (shape.layers, e) and (counts.sum(1) > 0).all():
+        q = k * counts / counts.sum(1, keepdims=True)
+        source = f"vault popularity ({int(counts.sum() / k / shape.layers)} tokens)"
+    else:
+        w = np.arange(1, e + 1, dtype=np.float64) ** -ZIPF
+        q = np.tile(k * w / w.sum(), (shape.layers, 1))
+        source = f"published locality (Zipf {ZIPF}, adjacent reuse {ADJACENT_REUSE})"
+    return np.minimum(q, 1.0), source
+
+
+def hit_rates(shape: Shape, q: np.ndarray, slots: int) -> tuple[float, float]:
+    """(low, high) decode hit rate of a ring of ``slots``. Low: the ring keeps the S
+    experts most likely to be routed (what a frequency cache converges to). High: also the
+    previous token's experts, of which the next token reuses ADJACENT_REUSE, in the share
+    of a token's L x k experts the ring can hold."""
+    if slots >= shape.records:
+        return 1.0, 1.0
+    per_token = shape.layers * shape.top_k
+    static = float(np.sort(q, axis=None)[::-1][:slots].sum() / per_token)
+    recent = ADJACENT_REUSE * min(1.0, slots / per_token)
+    return static, static + (1 - static) * recent
+
+
+def chunk_union(q: np.ndarray, tokens: int) -> float:
+    """Expected distinct experts a prefill chunk of ``tokens`` tokens routes to, summed
+    over layers: sum of 1 - (1 - q)^tokens."""
+    return float((1 - (1 - q) ** tokens).sum())
+
+
+def _band(values: list[float]) -> tuple[float, float]:
+    return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+
+def forecast(
+    shape: Shape,
+    slots: int,
+    q: np.ndarray,
+    disk: dict[str, Any],
+    compute: dict[str, Any],
+    chunk: int = 64,
+) -> dict[str, Any]:
+    """Decode and prefill tok/s bands, hit rates, misses per token and the cold-fill time
+    of a ring of ``slots`` (docs/plan.md). ``disk``: probe_disk's GB/s (low, median,
+    high); ``compute``: probe_compute's seconds per decode token and per prefill token."""
+    b = shape.record_bytes
+    bw_lo, bw, bw_hi = (disk[k] * 1e9 for k in ("gbps_low", "gbps", "gbps_high"))
+    c_lo, c_hi = _band(compute["decode_s"])
+    p_lo, p_hi = _band(compute["prefill_token_s"])
+    h_lo, h_hi = hit_rates(shape, q, slots)
+    per_token = shape.layers * shape.top_k
+    miss_hi, miss_lo = per_token * (1 - h_lo), per_token * (1 - h_hi)
+    slow = c_hi + miss_hi * b / bw_lo  # compute, then every miss read, nothing overlapped
+    fast = max(c_lo, miss_lo * b / bw_hi)  # reads entirely under the compute (or it under them)
+    union = chunk_union(q, chunk)
+    reads_hi = union if slots < shape.records else 0.0
+    reads_lo = max(0.0, union - slots) if slots < shape.records else 0.0
+    chunk_slow = chunk * p_hi + reads_hi * b / bw_lo
+    chunk_fast = max(chunk * p_lo, reads_lo * b / bw_hi)
+    fill = min(slots, shape.records) * b
+    return {
+        "hit_rate": [round(h_lo, 4), round(h_hi, 4)],
+        "misses_per_token": [round(miss_lo, 2), round(miss_hi, 2)],
+        "MB_per_token": [round(miss_lo * b / 1e6, 2), round(miss_hi * b / 1e6, 2)],
+        "decode_tok_s": [round(1 / slow, 3), round(1 / fast, 3)],
+        "prefill_chunk_experts": round(union, 1),
+        "prefill_tok_s": [round(chunk / chunk_slow, 2), round(chunk / chunk_fast, 2)],
+        "cold_fill_s": [round(fill / bw_hi, 4), round(fill / bw_lo, 4)],
+        "cold_fill_s_median": round(fill / bw, 4),
+    }
