@@ -20,6 +20,10 @@ from smoe.telemetry.traces import PRESETS, TARGETS
 PUBLISHED = "qwen3-235b-like"
 ZIPF = PRESETS[PUBLISHED].zipf
 ADJACENT_REUSE = TARGETS[PUBLISHED]["overlap"]
+# Lookahead (on by default) prefetches the next layer's experts its router predicts from
+# this layer's input; 66.8% of them are right on the demo (docs/speculation.md). A wrong
+# one is a read of an expert the token does not use: the band's recall is 50% - 80%.
+LOOKAHEAD_RECALL = (0.5, 0.8)
 
 
 @dataclass(frozen=True)
@@ -91,18 +95,24 @@ def forecast(
     p_lo, p_hi = _band(compute["prefill_token_s"])
     h_lo, h_hi = hit_rates(shape, q, slots)
     per_token = shape.layers * shape.top_k
-    miss_hi, miss_lo = per_token * (1 - h_lo), per_token * (1 - h_hi)
+    absent = max(0.0, 1 - slots / shape.records)  # chance a wrong guess is not resident
+    miss_hi = per_token * ((1 - h_lo) + (1 - LOOKAHEAD_RECALL[0]) * absent)
+    miss_lo = per_token * ((1 - h_hi) + (1 - LOOKAHEAD_RECALL[1]) * absent)
+    if slots >= shape.records and compute.get("resident_decode_s"):
+        c_lo, c_hi = _band(compute["resident_decode_s"])  # device tables, no host round trip
     slow = c_hi + miss_hi * b / bw_lo  # compute, then every miss read, nothing overlapped
-    fast = max(c_lo, miss_lo * b / bw_hi)  # reads entirely under the compute (or it under them)
+    fast = max(
+        c_lo, miss_lo * b / bw_hi, 1e-9
+    )  # reads entirely under the compute, or it under them
     union = chunk_union(q, chunk)
     reads_hi = union if slots < shape.records else 0.0
     reads_lo = max(0.0, union - slots) if slots < shape.records else 0.0
     chunk_slow = chunk * p_hi + reads_hi * b / bw_lo
-    chunk_fast = max(chunk * p_lo, reads_lo * b / bw_hi)
+    chunk_fast = max(chunk * p_lo, reads_lo * b / bw_hi, 1e-9)
     fill = min(slots, shape.records) * b
     return {
         "hit_rate": [round(h_lo, 4), round(h_hi, 4)],
-        "misses_per_token": [round(miss_lo, 2), round(miss_hi, 2)],
+        "reads_per_token": [round(miss_lo, 2), round(miss_hi, 2)],
         "MB_per_token": [round(miss_lo * b / 1e6, 2), round(miss_hi * b / 1e6, 2)],
         "decode_tok_s": [round(1 / slow, 3), round(1 / fast, 3)],
         "prefill_chunk_experts": round(union, 1),

@@ -110,12 +110,15 @@ async def probe_compute(
     dtype: str,
     disk_gbps: float,
     workers: int = 4,
-    requests: int = 3,
+    requests: int = 4,
     tokens: int = 6,
     seed: int = 0,
+    resident: bool = False,
 ) -> dict[str, Any]:
     """Streamed compute per decode token and per prefill token on ``device`` (module
-    docstring), recorded in the vault. Opens an engine (SmoeError as Engine.open)."""
+    docstring), recorded in the vault; with ``resident``, also per decode token with every
+    expert in the ring (the engine then routes through device tables, with no host round
+    trip). Opens engines (SmoeError as Engine.open)."""
     from smoe.bench.generate import random_prompt
     from smoe.engine import Engine
 
@@ -138,12 +141,14 @@ async def probe_compute(
             reads = stats.prefill_bytes / (disk_gbps * 1e9)
             prefill_s = stats.prefilled_tokens / max(stats.prefill_tok_s, 1e-9)
             prefill.append(max(prefill_s - reads, 0.0) / max(stats.prefilled_tokens, 1))
-    result = {
+    result: dict[str, Any] = {
         "decode_s": [round(x, 6) for x in sorted(decode)],
         "prefill_token_s": [round(x, 7) for x in sorted(prefill)],
         "probe_slots": slots,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if resident:
+        result["resident_decode_s"] = await _resident_decode(vault, device, dtype, requests, tokens)
     path = vault.stats_dir / COMPUTE_FILE
     try:
         path.parent.mkdir(exist_ok=True)
@@ -153,3 +158,25 @@ async def probe_compute(
     except OSError:  # a read-only vault: the figure is still used, just not kept
         pass
     return result | {"device": device, "dtype": dtype, "recorded": False}
+
+
+async def _resident_decode(
+    vault: Vault, device: str, dtype: str, requests: int, tokens: int
+) -> list[float]:
+    """Seconds per decode token with every expert read into the ring first."""
+    from smoe.bench.generate import random_prompt
+    from smoe.bench.resident import fill_ring
+    from smoe.engine import Engine
+
+    m = vault.manifest
+    times: list[float] = []
+    async with Engine.open(vault.path, slots=m.num_records, device=device, dtype=dtype) as engine:
+        await fill_ring(engine)
+        for i in range(requests + 1):  # the first compiles kernels: not counted
+            stats = None
+            prompt = random_prompt(vault, 8, 50 + i)
+            async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
+                stats = ev.stats or stats
+            if i and stats is not None and stats.decode_tok_s:
+                times.append(round(1 / stats.decode_tok_s, 6))
+    return sorted(times)

@@ -73,7 +73,7 @@ def render(plan: dict[str, Any]) -> str:
     if f is not None:
         rows += [
             ("hit rate", _band([round(100 * h, 1) for h in f["hit_rate"]], "%")),
-            ("misses / token", _band(f["misses_per_token"], f"({_band(f['MB_per_token'], 'MB')})")),
+            ("reads / token", _band(f["reads_per_token"], f"({_band(f['MB_per_token'], 'MB')})")),
             ("decode", _band(f["decode_tok_s"], "tok/s")),
             ("prefill", _band(f["prefill_tok_s"], "tok/s")),
             ("cold fill", _band(f["cold_fill_s"], "s")),
