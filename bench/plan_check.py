@@ -84,13 +84,10 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             device=plan["device"],
             dtype=plan["dtype"],
             disk_gbps=plan["disk"]["gbps"],
+            slots=got["ring_slots"],
             workers=args.workers,
-            resident=got["ring_slots"] >= vault.manifest.num_records,
         )
-        both = {
-            key: plan["compute"].get(key, []) + after.get(key, [])
-            for key in ("decode_s", "prefill_token_s", "resident_decode_s")
-        }
+        both = {key: plan["compute"][key] + after[key] for key in ("decode_s", "prefill_token_s")}
         subject = open_subject(vault.path, None)
         q, _ = routing_probabilities(subject.shape, subject.popularity)
         f = forecast(subject.shape, got["ring_slots"], q, plan["disk"], both)

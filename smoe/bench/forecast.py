@@ -98,8 +98,6 @@ def forecast(
     absent = max(0.0, 1 - slots / shape.records)  # chance a wrong guess is not resident
     miss_hi = per_token * ((1 - h_lo) + (1 - LOOKAHEAD_RECALL[0]) * absent)
     miss_lo = per_token * ((1 - h_hi) + (1 - LOOKAHEAD_RECALL[1]) * absent)
-    if slots >= shape.records and compute.get("resident_decode_s"):
-        c_lo, c_hi = _band(compute["resident_decode_s"])  # device tables, no host round trip
     slow = c_hi + miss_hi * b / bw_lo  # compute, then every miss read, nothing overlapped
     fast = max(
         c_lo, miss_lo * b / bw_hi, 1e-9

@@ -226,10 +226,11 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     out["routing"] = source
     compute = None
     if o.compute and subject.vault is not None:
-        resident = budget.slots >= s.records  # the forecast needs the resident rate too
-        compute = None if o.fresh else recorded_compute(subject.vault, device_name, dtype_name)
-        if compute is not None and resident and "resident_decode_s" not in compute:
-            compute = None
+        compute = (
+            None
+            if o.fresh
+            else recorded_compute(subject.vault, device_name, dtype_name, budget.slots)
+        )
         if compute is not None:
             compute["recorded"] = True
         else:
@@ -237,9 +238,9 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
                 subject.vault,
                 device=device_name,
                 dtype=dtype_name,
+                slots=budget.slots,
                 disk_gbps=disk["gbps"],
                 workers=o.workers,
-                resident=resident,
             )
     out["compute"] = compute
     if compute is None:

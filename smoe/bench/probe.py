@@ -4,11 +4,12 @@
   file at the engine's worker count (``smoe.bench.io.baseline_run``, the reader's own
   machinery), in rounds whose spread is reported; cached per block device, record size
   and worker count in the cache directory's ``disk-probe.json``;
-- the compute: an engine on the vault with a small ring decodes a few short requests; the
-  time it did not spend waiting for reads, per token, is the streamed compute per token
-  (one figure per request: their spread is the band's). Prefill: the time of a prompt's
-  chunks less its reads at the probed disk rate. Recorded in the vault's
-  ``stats/compute.json`` per device, dtype and host, and reused unless asked afresh.
+- the compute: an engine on the vault with the planned ring decodes a few short requests
+  after one that warms it; the time it did not spend waiting for reads, per token, is the
+  compute per token, the scheduler's and the reads' CPU work included (one figure per
+  request: their spread is the band's). Prefill: the time of a prompt's chunks less its
+  reads at the probed disk rate. Recorded in the vault's ``stats/compute.json`` per
+  device, dtype, ring size and host, and reused unless asked afresh.
 """
 
 from __future__ import annotations
@@ -93,13 +94,14 @@ def probe_disk(
     return result | {"cached": False}
 
 
-def compute_key(device: str, dtype: str) -> str:
-    return f"{device}:{dtype}:{platform.node()}"
+def compute_key(device: str, dtype: str, slots: int) -> str:
+    return f"{device}:{dtype}:slots{slots}:{platform.node()}"
 
 
-def recorded_compute(vault: Vault, device: str, dtype: str) -> dict[str, Any] | None:
-    """The compute figures a probe recorded in the vault for this device, dtype and host."""
-    found = _read_json(vault.stats_dir / COMPUTE_FILE).get(compute_key(device, dtype))
+def recorded_compute(vault: Vault, device: str, dtype: str, slots: int) -> dict[str, Any] | None:
+    """The compute figures a probe recorded in the vault for this device, dtype, ring size
+    and host."""
+    found = _read_json(vault.stats_dir / COMPUTE_FILE).get(compute_key(device, dtype, slots))
     return dict(found) if isinstance(found, dict) and "decode_s" in found else None
 
 
@@ -108,29 +110,31 @@ async def probe_compute(
     *,
     device: str,
     dtype: str,
+    slots: int,
     disk_gbps: float,
     workers: int = 4,
     requests: int = 4,
     tokens: int = 6,
     seed: int = 0,
-    resident: bool = False,
 ) -> dict[str, Any]:
-    """Streamed compute per decode token and per prefill token on ``device`` (module
-    docstring), recorded in the vault; with ``resident``, also per decode token with every
-    expert in the ring (the engine then routes through device tables, with no host round
-    trip). Opens engines (SmoeError as Engine.open)."""
+    """Compute per decode token and per prefill token on ``device`` with a ring of
+    ``slots`` (module docstring), recorded in the vault. A ring of every expert is filled
+    first: its figures are the resident rate (device tables, no host round trip). Opens
+    an engine (SmoeError as Engine.open)."""
     from smoe.bench.generate import random_prompt
+    from smoe.bench.resident import fill_ring
     from smoe.engine import Engine
 
     m = vault.manifest
-    top_k = m.shape.experts_per_token
-    slots = min(m.num_records, 4 * top_k)
+    slots = max(m.shape.experts_per_token, min(slots, m.num_records))
     decode: list[float] = []
     prefill: list[float] = []
     options: dict[str, Any] = {"slots": slots, "workers": workers, "dtype": dtype}
     async with Engine.open(vault.path, device=device, **options) as engine:
         chunk = engine.options.prefill_chunk
-        for i in range(requests + 1):  # the first compiles kernels: not counted
+        if slots >= m.num_records:
+            await fill_ring(engine)
+        for i in range(requests + 1):  # the first warms the ring and compiles: not counted
             prompt = random_prompt(vault, 2 * chunk + 1, seed + i)
             stats = None
             async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
@@ -144,39 +148,15 @@ async def probe_compute(
     result: dict[str, Any] = {
         "decode_s": [round(x, 6) for x in sorted(decode)],
         "prefill_token_s": [round(x, 7) for x in sorted(prefill)],
-        "probe_slots": slots,
+        "slots": slots,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if resident:
-        result["resident_decode_s"] = await _resident_decode(vault, device, dtype, requests, tokens)
     path = vault.stats_dir / COMPUTE_FILE
     try:
         path.parent.mkdir(exist_ok=True)
         with file_lock(path.with_suffix(".lock")):
-            key = compute_key(device, dtype)
+            key = compute_key(device, dtype, slots)
             write_json_atomic(path, _read_json(path) | {key: result})
     except OSError:  # a read-only vault: the figure is still used, just not kept
         pass
     return result | {"device": device, "dtype": dtype, "recorded": False}
-
-
-async def _resident_decode(
-    vault: Vault, device: str, dtype: str, requests: int, tokens: int
-) -> list[float]:
-    """Seconds per decode token with every expert read into the ring first."""
-    from smoe.bench.generate import random_prompt
-    from smoe.bench.resident import fill_ring
-    from smoe.engine import Engine
-
-    m = vault.manifest
-    times: list[float] = []
-    async with Engine.open(vault.path, slots=m.num_records, device=device, dtype=dtype) as engine:
-        await fill_ring(engine)
-        for i in range(requests + 1):  # the first compiles kernels: not counted
-            stats = None
-            prompt = random_prompt(vault, 8, 50 + i)
-            async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
-                stats = ev.stats or stats
-            if i and stats is not None and stats.decode_tok_s:
-                times.append(round(1 / stats.decode_tok_s, 6))
-    return sorted(times)
