@@ -141,7 +141,10 @@ async def probe_compute(
                 stats = ev.stats or stats
             if i == 0 or stats is None or not stats.decode_tok_s:
                 continue
-            decode.append((1 - stats.decode_io_wait_share) / stats.decode_tok_s)
+            # a staged ring's copies happen inside the waits, but they are the compute
+            # thread's work: counted as compute
+            busy = 1 - stats.decode_io_wait_share + stats.decode_copy_share
+            decode.append(busy / stats.decode_tok_s)
             reads = stats.prefill_bytes / (disk_gbps * 1e9)
             prefill_s = stats.prefilled_tokens / max(stats.prefill_tok_s, 1e-9)
             prefill.append(max(prefill_s - reads, 0.0) / max(stats.prefilled_tokens, 1))
