@@ -5,11 +5,11 @@ plan's own band, and the band over both probes (which brackets the machine's loa
 the measurement), against each measured request. Prints JSON.
 
     python bench/plan_check.py VAULT --memory 360MB,362MB,370MB [--device gpu]
-        [--tokens 24] [--repeats 3] [--workers 4]
+        [--tokens 24] [--repeats 3] [--workers 4] [--chunks 2]
 
 Steady state: the ring is warmed by a first request (or filled, when it holds every expert)
 before the measured ones; the cold fill is forecast separately. Each measured request has
-a prompt of two prefill chunks (random ids) and decodes ``tokens`` tokens.
+a prompt of ``--chunks`` prefill chunks (random ids) and decodes ``tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -36,18 +36,19 @@ def _inside(value: float, band: list[float]) -> bool:
 
 
 async def measure(
-    vault: Vault, memory: str, device: str | None, tokens: int, repeats: int, workers: int
+    vault: Vault, memory: str, args: argparse.Namespace, repeats: int
 ) -> dict[str, Any]:
     """Steady decode/prefill tok/s of an engine at ``memory`` (whole process, one sequence)."""
     runs = []
-    options: dict[str, Any] = {"device": device, "workers": workers, "max_batch": 1}
+    tokens = args.tokens
+    options: dict[str, Any] = {"device": args.device, "workers": args.workers, "max_batch": 1}
     async with Engine.open(vault.path, memory=memory, **options) as engine:
         assert engine.fit is not None
         chunk = engine.options.prefill_chunk
         if engine.ring.num_slots >= vault.manifest.num_records:
             await fill_ring(engine)
         for i in range(repeats + 1):  # the first warms the ring and compiles kernels
-            prompt = random_prompt(vault, 2 * chunk + 1, seed=100 + i)
+            prompt = random_prompt(vault, args.chunks * chunk + 1, seed=100 + i)
             stats = None
             async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
                 stats = ev.stats or stats
@@ -70,13 +71,19 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     for memory in args.memory.split(","):
         # Compute probed afresh right before each measurement: the same load on the machine.
         options = PlanOptions(
-            memory=memory, device=args.device, max_batch=1, workers=args.workers, fresh=True
+            memory=memory,
+            device=args.device,
+            max_batch=1,
+            workers=args.workers,
+            fresh=True,
+            probe_requests=args.repeats + 1,
+            probe_chunks=args.chunks,
         )
         plan = await make_plan(vault.path, options)
         if not plan["fits"]:
             rows.append({"memory": memory, "fits": False, "why": plan["why"]})
             continue
-        got = await measure(vault, memory, args.device, args.tokens, args.repeats, args.workers)
+        got = await measure(vault, memory, args, args.repeats)
         # A second compute probe after the measurement: the band of the two brackets the
         # machine's load during it (this machine is shared; the plan's own band is kept too).
         after = await probe_compute(
@@ -86,6 +93,8 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             disk_gbps=plan["disk"]["gbps"],
             slots=got["ring_slots"],
             workers=args.workers,
+            requests=args.repeats + 1,
+            chunks=args.chunks,
         )
         both = {key: plan["compute"][key] + after[key] for key in ("decode_s", "prefill_token_s")}
         subject = open_subject(vault.path, None)
@@ -127,6 +136,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         "routing": plan.get("routing"),
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "chunks": args.chunks,
         "rows": rows,
     }
 
@@ -139,6 +149,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=24, help="decoded tokens per measured request")
     p.add_argument("--repeats", type=int, default=3, help="measured requests per budget")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=2, help="prefill chunks per prompt (all runs)")
     print(json.dumps(asyncio.run(check(p.parse_args())), indent=1))
 
 

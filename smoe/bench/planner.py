@@ -53,6 +53,8 @@ class PlanOptions:
     workers: int = 4
     bits: int | None = None  # a source folder: the --bits `smoe convert` would use
     probe_seconds: float = 3.0
+    probe_requests: int = 4  # compute probe: measured requests (after one warm-up)
+    probe_chunks: int = 2  # compute probe: prefill chunks per request
     fresh: bool = False  # measure again rather than reuse cached/recorded figures
     compute: bool = True  # run (or reuse) the compute probe
 
@@ -241,6 +243,8 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
                 slots=budget.slots,
                 disk_gbps=disk["gbps"],
                 workers=o.workers,
+                requests=o.probe_requests,
+                chunks=o.probe_chunks,
             )
     out["compute"] = compute
     if compute is None:

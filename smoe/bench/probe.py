@@ -115,6 +115,7 @@ async def probe_compute(
     workers: int = 4,
     requests: int = 4,
     tokens: int = 6,
+    chunks: int = 2,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Compute per decode token and per prefill token on ``device`` with a ring of
@@ -135,7 +136,7 @@ async def probe_compute(
         if slots >= m.num_records:
             await fill_ring(engine)
         for i in range(requests + 1):  # the first warms the ring and compiles: not counted
-            prompt = random_prompt(vault, 2 * chunk + 1, seed + i)
+            prompt = random_prompt(vault, chunks * chunk + 1, seed + i)
             stats = None
             async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
                 stats = ev.stats or stats
