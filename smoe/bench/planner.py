@@ -155,6 +155,18 @@ def context_limit(needs_at: Any, top_k: int, per_slot: int, memory: int, limit: 
     return min(lo * KV_STEP, limit)
 
 
+def _experts(s: Shape, per_slot: int) -> dict[str, int]:
+    return {
+        "moe_layers": s.layers,
+        "per_layer": s.experts,
+        "top_k": s.top_k,
+        "records": s.records,
+        "record_bytes": s.record_bytes,
+        "slot_bytes": per_slot,
+        "all_bytes": s.records * per_slot,
+    }
+
+
 def _default_memory(fixed: int, every: int, device: Device) -> int:
     """The engine's default budget as a whole: every expert if it fits (half the available
     memory, or 90% of a GPU's free memory), else what there is."""
@@ -194,15 +206,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         "device": device_name,
         "dtype": dtype_name,
         "ring": kind,
-        "experts": {
-            "moe_layers": s.layers,
-            "per_layer": s.experts,
-            "top_k": s.top_k,
-            "records": s.records,
-            "record_bytes": s.record_bytes,
-            "slot_bytes": per_slot,
-            "all_bytes": every,
-        },
+        "experts": _experts(s, per_slot),
         "smallest_memory_bytes": smallest,
         "smallest_memory": suggest_at_least(smallest),
         "memory_for_every_expert": suggest_at_least(fixed + every),
@@ -220,32 +224,12 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         out |= {"fits": False, "fit": None, "why": str(e)}
         return out
     out |= {"fits": True, "fit": budget.to_json(), "line": budget.line()}
-    disk = probe_disk(
-        subject.probe_file, s.record_bytes, o.workers, seconds=o.probe_seconds, fresh=o.fresh
-    )
-    out["disk"] = disk
+    out["disk"] = disk = await _probe_disk(subject, o)
     q, source = routing_probabilities(s, subject.popularity)
     out["routing"] = source
     compute = None
     if o.compute and subject.vault is not None:
-        compute = (
-            None
-            if o.fresh
-            else recorded_compute(subject.vault, device_name, dtype_name, budget.slots)
-        )
-        if compute is not None:
-            compute["recorded"] = True
-        else:
-            compute = await probe_compute(
-                subject.vault,
-                device=device_name,
-                dtype=dtype_name,
-                slots=budget.slots,
-                disk_gbps=disk["gbps"],
-                workers=o.workers,
-                requests=o.probe_requests,
-                chunks=o.probe_chunks,
-            )
+        compute = await _compute(subject.vault, o, device_name, dtype_name, budget.slots, disk)
     out["compute"] = compute
     if compute is None:
         out["why_no_speed"] = (
@@ -257,6 +241,44 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk)
     out["cold_fill_s"] = round(budget.slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
     return out
+
+
+async def _probe_disk(subject: Subject, o: PlanOptions) -> dict[str, Any]:
+    """probe_disk on a thread (it blocks for seconds); an unreadable file is a SmoeError."""
+    import anyio
+
+    def probe() -> dict[str, Any]:
+        s = subject.shape
+        return probe_disk(
+            subject.probe_file, s.record_bytes, o.workers, seconds=o.probe_seconds, fresh=o.fresh
+        )
+
+    try:
+        return await anyio.to_thread.run_sync(probe)
+    except OSError as e:
+        raise SmoeError(
+            f"cannot probe the disk by reading {subject.probe_file} ({e.strerror or e}); "
+            "check that the file is there and readable"
+        ) from None
+
+
+async def _compute(
+    vault: Any, o: PlanOptions, device: str, dtype: str, slots: int, disk: dict[str, Any]
+) -> dict[str, Any]:
+    """The compute figures recorded for this device, dtype and ring, else measured now."""
+    recorded = None if o.fresh else recorded_compute(vault, device, dtype, slots)
+    if recorded is not None:
+        return recorded | {"recorded": True}
+    return await probe_compute(
+        vault,
+        device=device,
+        dtype=dtype,
+        slots=slots,
+        disk_gbps=disk["gbps"],
+        workers=o.workers,
+        requests=o.probe_requests,
+        chunks=o.probe_chunks,
+    )
 
 
 def _parse(memory: int | str) -> int:
