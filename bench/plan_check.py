@@ -6,6 +6,7 @@ the measurement), against each measured request. Prints JSON.
 
     python bench/plan_check.py VAULT --memory 360MB,362MB,370MB [--device gpu]
         [--tokens 24] [--repeats 3] [--workers 4] [--chunks 2]
+    python bench/plan_check.py --table A.json B.json     # saved reports as a markdown table
 
 Steady state: the ring is warmed by a first request (or filled, when it holds every expert)
 before the measured ones; the cold fill is forecast separately. Each measured request has
@@ -141,7 +142,37 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def table(reports: list[dict[str, Any]]) -> str:
+    """Markdown rows (vault, budget, ring, forecast bands, measured) of saved reports."""
+    out = [
+        "| vault | --memory | ring | decode forecast (plan / both probes) | decode measured "
+        "| prefill forecast (both probes) | prefill measured | MB/token forecast / measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        name = Path(report["vault"]).name
+        for r in report["rows"]:
+            if not r.get("measured"):
+                continue
+            dec = ", ".join(f"{x['decode_tok_s']:g}" for x in r["measured"])
+            pre = ", ".join(f"{x['prefill_tok_s']:g}" for x in r["measured"])
+            mb = ", ".join(f"{x['MB_per_token']:g}" for x in r["measured"])
+            band = "{:g}-{:g}".format
+            out.append(
+                f"| {name} | {r['memory']} | {r['ring_slots_engine']} "
+                f"({100 * r['ring_share']:.0f}%) | {band(*r['plan_decode_tok_s'])} / "
+                f"{band(*r['forecast_decode_tok_s'])} | {dec} "
+                f"{'in' if r['decode_inside'] else 'OUT'} | {band(*r['forecast_prefill_tok_s'])}"
+                f" | {pre} {'in' if r['prefill_inside'] else 'OUT'} | "
+                f"{band(*r['forecast_MB_per_token'])} / {mb} |"
+            )
+    return "\n".join(out)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:  # render saved reports: --table A.json B.json
+        print(table([json.loads(Path(p).read_text()) for p in sys.argv[2:]]))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("vault", type=Path)
     p.add_argument("--memory", required=True, help="whole-process budgets, comma-separated")
