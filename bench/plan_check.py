@@ -100,7 +100,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         both = {key: plan["compute"][key] + after[key] for key in ("decode_s", "prefill_token_s")}
         subject = open_subject(vault.path, None)
         q, _ = routing_probabilities(subject.shape, subject.popularity)
-        f = forecast(subject.shape, got["ring_slots"], q, plan["disk"], both)
+        f = forecast(subject.shape, got["ring_slots"], q, plan["disk"], both, 64, args.workers)
         row = {
             "memory": memory,
             "ring_slots_plan": plan["fit"]["ring_slots"],

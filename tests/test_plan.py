@@ -9,7 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from smoe.bench.forecast import Shape, chunk_union, forecast, hit_rates, routing_probabilities
+from smoe.bench.forecast import (
+    Shape,
+    chunk_union,
+    forecast,
+    hit_rates,
+    routing_probabilities,
+    serial_read_s,
+)
 from smoe.bench.probe import probe_disk
 from smoe.engine import Engine
 from smoe.engine.ring_plan import budget_parts
@@ -139,11 +146,20 @@ def test_the_decode_band_orders_and_bounds_its_parts():
     low, high = f["decode_tok_s"]
     reads_lo, reads_hi = f["reads_per_token"]
     assert high == pytest.approx(1 / max(0.010, reads_lo * 1e6 / 2e9), rel=1e-3)
-    assert low == pytest.approx(1 / (0.012 + reads_hi * 1e6 / 1e9), rel=1e-3)
+    # slow: each layer's reads (< 4 here) wait one round of 4 in flight: 4 MB at 1 GB/s
+    assert reads_hi / 2 < 4
+    assert low == pytest.approx(1 / (0.012 + 2 * 4 * 1e6 / 1e9), rel=1e-3)
     every = forecast(shape, 16, q, disk, compute)  # every expert resident: compute alone
     assert every["reads_per_token"] == [0.0, 0.0]
     assert every["decode_tok_s"] == [round(1 / 0.012, 3), round(1 / 0.010, 3)]
     assert every["cold_fill_s"] == [round(16e6 / 2e9, 4), round(16e6 / 1e9, 4)]
+
+
+def test_a_layer_waits_for_its_reads_in_rounds_of_the_workers():
+    assert serial_read_s(0, 2, 4, 10**6, 1e9) == 0
+    assert serial_read_s(8, 2, 4, 10**6, 1e9) == pytest.approx(2 * 1 * 4e-3)  # 4 per layer
+    assert serial_read_s(9, 2, 4, 10**6, 1e9) == pytest.approx(2 * 2 * 4e-3)  # 4.5: 2 rounds
+    assert serial_read_s(8, 2, 1, 10**6, 1e9) == pytest.approx(8e-3)  # one at a time
 
 
 def test_plan_refuses_bad_options_in_one_line(vault, run_cli):

@@ -8,6 +8,7 @@ slots, q[l, e] the probability that a token routes to expert e at layer l.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,17 @@ def chunk_union(q: np.ndarray, tokens: int) -> float:
     return float((1 - (1 - q) ** tokens).sum())
 
 
+def serial_read_s(reads: float, layers: int, workers: int, record_bytes: int, bw: float) -> float:
+    """Seconds the compute waits for ``reads`` reads spread over ``layers`` layers when it
+    waits for each layer's last: a layer's reads go out together, ``workers`` at a time,
+    and each takes ``workers * record_bytes / bw`` (the probe's rate is that of ``workers``
+    reads in flight), so a layer waits ceil(reads per layer / workers) such rounds."""
+    if reads <= 0:
+        return 0.0
+    rounds = math.ceil(reads / layers / workers - 1e-9)
+    return layers * rounds * workers * record_bytes / bw
+
+
 def _band(values: list[float]) -> tuple[float, float]:
     return (min(values), max(values)) if values else (float("nan"), float("nan"))
 
@@ -85,10 +97,12 @@ def forecast(
     disk: dict[str, Any],
     compute: dict[str, Any],
     chunk: int = 64,
+    workers: int = 4,
 ) -> dict[str, Any]:
     """Decode and prefill tok/s bands, hit rates, misses per token and the cold-fill time
     of a ring of ``slots`` (docs/plan.md). ``disk``: probe_disk's GB/s (low, median,
-    high); ``compute``: probe_compute's seconds per decode token and per prefill token."""
+    high); ``compute``: probe_compute's seconds per decode token and per prefill token;
+    ``workers``: the engine's I/O threads."""
     b = shape.record_bytes
     bw_lo, bw, bw_hi = (disk[k] * 1e9 for k in ("gbps_low", "gbps", "gbps_high"))
     c_lo, c_hi = _band(compute["decode_s"])
@@ -98,14 +112,15 @@ def forecast(
     absent = max(0.0, 1 - slots / shape.records)  # chance a wrong guess is not resident
     miss_hi = per_token * ((1 - h_lo) + (1 - LOOKAHEAD_RECALL[0]) * absent)
     miss_lo = per_token * ((1 - h_hi) + (1 - LOOKAHEAD_RECALL[1]) * absent)
-    slow = c_hi + miss_hi * b / bw_lo  # compute, then every miss read, nothing overlapped
+    # slow: the compute, then each layer's reads in rounds of `workers`, nothing overlapped
+    slow = c_hi + serial_read_s(miss_hi, shape.layers, workers, b, bw_lo)
     fast = max(
         c_lo, miss_lo * b / bw_hi, 1e-9
     )  # reads entirely under the compute, or it under them
     union = chunk_union(q, chunk)
     reads_hi = union if slots < shape.records else 0.0
     reads_lo = max(0.0, union - slots) if slots < shape.records else 0.0
-    chunk_slow = chunk * p_hi + reads_hi * b / bw_lo
+    chunk_slow = chunk * p_hi + serial_read_s(reads_hi, shape.layers, workers, b, bw_lo)
     chunk_fast = max(chunk * p_lo, reads_lo * b / bw_hi, 1e-9)
     fill = min(slots, shape.records) * b
     return {

@@ -238,7 +238,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
             else "the compute probe was skipped"
         )
     else:
-        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk)
+        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk, o.workers)
     out["cold_fill_s"] = round(budget.slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
     return out
 
