@@ -14,6 +14,7 @@ from smoe.bench.forecast import (
     chunk_union,
     forecast,
     hit_rates,
+    prediction_band,
     routing_probabilities,
     serial_read_s,
 )
@@ -141,18 +142,41 @@ def test_the_decode_band_orders_and_bounds_its_parts():
     shape = Shape(layers=2, experts=8, top_k=2, record_bytes=10**6)
     q, _ = routing_probabilities(shape, None)
     disk = {"gbps_low": 1.0, "gbps": 1.5, "gbps_high": 2.0}
-    compute = {"decode_s": [0.010, 0.012], "prefill_token_s": [0.001, 0.002]}
+    compute = {"decode_s": [0.010, 0.011, 0.012], "prefill_token_s": [0.001, 0.002]}
+    c_lo, c_hi = prediction_band(compute["decode_s"])
     f = forecast(shape, 4, q, disk, compute)
     low, high = f["decode_tok_s"]
     reads_lo, reads_hi = f["reads_per_token"]
-    assert high == pytest.approx(1 / max(0.010, reads_lo * 1e6 / 2e9), rel=1e-3)
+    assert high == pytest.approx(1 / max(c_lo, reads_lo * 1e6 / 2e9), rel=1e-3)
     # slow: each layer's reads (< 4 here) wait one round of 4 in flight: 4 MB at 1 GB/s
     assert reads_hi / 2 < 4
-    assert low == pytest.approx(1 / (0.012 + 2 * 4 * 1e6 / 1e9), rel=1e-3)
+    assert low == pytest.approx(1 / (c_hi + 2 * 4 * 1e6 / 1e9), rel=1e-3)
     every = forecast(shape, 16, q, disk, compute)  # every expert resident: compute alone
     assert every["reads_per_token"] == [0.0, 0.0]
-    assert every["decode_tok_s"] == [round(1 / 0.012, 3), round(1 / 0.010, 3)]
+    assert every["decode_tok_s"] == [round(1 / c_hi, 3), round(1 / c_lo, 3)]
     assert every["cold_fill_s"] == [round(16e6 / 2e9, 4), round(16e6 / 1e9, 4)]
+
+
+def test_the_compute_band_is_a_95_percent_prediction_interval():
+    """Against scipy's t distribution: mean +- t(n-1) sd sqrt(1 + 1/n), at least the range."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 8, 10):
+        values = list(rng.normal(10.0, 1.0, n))
+        mean, sd = np.mean(values), np.std(values, ddof=1)
+        half = stats.t.ppf(0.975, n - 1) * sd * np.sqrt(1 + 1 / n)
+        low, high = prediction_band(values)
+        assert low == pytest.approx(max(0.0, min(min(values), mean - half)), rel=2e-3)
+        assert high == pytest.approx(max(max(values), mean + half), rel=2e-3)
+    assert prediction_band([3.0]) == (3.0, 3.0)
+    # a new draw from the same distribution falls inside about 95% of the time
+    inside = 0
+    for _ in range(2000):
+        sample = rng.normal(5.0, 1.0, 8)
+        low, high = prediction_band(list(sample))
+        inside += low <= rng.normal(5.0, 1.0) <= high
+    assert 0.93 < inside / 2000 < 0.985
 
 
 def test_a_layer_waits_for_its_reads_in_rounds_of_the_workers():

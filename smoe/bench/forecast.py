@@ -86,8 +86,23 @@ def serial_read_s(reads: float, layers: int, workers: int, record_bytes: int, bw
     return layers * rounds * workers * record_bytes / bw
 
 
-def _band(values: list[float]) -> tuple[float, float]:
-    return (min(values), max(values)) if values else (float("nan"), float("nan"))
+# Student's t, 97.5th percentile, by degrees of freedom (a 95% two-sided interval)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def prediction_band(values: list[float]) -> tuple[float, float]:
+    """Where the next measurement of what ``values`` sampled falls, 95% of the time: the
+    prediction interval mean +- t * sd * sqrt(1 + 1/n), widened to the samples' range (the
+    samples' own min and max would miss a new one 2 / (n + 1) of the time)."""
+    if not values:
+        return float("nan"), float("nan")
+    n = len(values)
+    if n < 2:
+        return values[0], values[0]
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = _T975.get(n - 1, 2.0) * sd * math.sqrt(1 + 1 / n)
+    return max(0.0, min(min(values), mean - half)), max(max(values), mean + half)
 
 
 def forecast(
@@ -105,8 +120,8 @@ def forecast(
     ``workers``: the engine's I/O threads."""
     b = shape.record_bytes
     bw_lo, bw, bw_hi = (disk[k] * 1e9 for k in ("gbps_low", "gbps", "gbps_high"))
-    c_lo, c_hi = _band(compute["decode_s"])
-    p_lo, p_hi = _band(compute["prefill_token_s"])
+    c_lo, c_hi = prediction_band(compute["decode_s"])
+    p_lo, p_hi = prediction_band(compute["prefill_token_s"])
     h_lo, h_hi = hit_rates(shape, q, slots)
     per_token = shape.layers * shape.top_k
     absent = max(0.0, 1 - slots / shape.records)  # chance a wrong guess is not resident
