@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import smoe.util.loop
+from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 
 WORDS = [
@@ -49,7 +50,7 @@ WORDS = [
 
 
 async def turn_ttft(vault: str, first_tokens: int, reply: int, memory: str | None) -> dict:
-    async with Engine.open(vault, memory=memory) as engine:
+    async with Engine.open(vault, **ring_options(vault, memory)) as engine:
         conv = engine.conversation(system="You are a helpful assistant.")
         text, n = [], 0
         while n < first_tokens:  # grow a user message to about first_tokens tokens
@@ -111,7 +112,11 @@ async def main() -> None:
     p.add_argument("vault", nargs="?", default=None)
     p.add_argument("--first", default="100,1000")
     p.add_argument("--reply", type=int, default=16)
-    p.add_argument("--memory", default=None)
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
+    )
     p.add_argument("--reference", action="store_true", help="also time mlx-lm in memory")
     args = p.parse_args()
     vault = args.vault

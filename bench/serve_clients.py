@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 
 import smoe.util.loop
+from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 
@@ -35,13 +36,18 @@ async def main() -> None:
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--memory", default=None)
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
+    )
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--text", default=None, help="prompts cut from this text file")
     args = p.parse_args()
     rng = random.Random(0)
     rows = []
-    async with Engine.open(args.vault, memory=args.memory, max_batch=args.max_batch) as engine:
+    ring = ring_options(args.vault, args.memory)
+    async with Engine.open(args.vault, max_batch=args.max_batch, **ring) as engine:
         vocab = engine.vault.manifest.shape.vocab_size
         eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
         words = [t for t in range(3, vocab) if t not in eos]

@@ -22,6 +22,7 @@ import time
 import aiohttp
 
 import smoe.util.loop
+from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions, serve
 
@@ -30,10 +31,14 @@ async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("vault")
     p.add_argument("--history-tokens", type=int, default=300)
-    p.add_argument("--memory", default=None)
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
+    )
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
-    async with Engine.open(args.vault, memory=args.memory) as engine:
+    async with Engine.open(args.vault, **ring_options(args.vault, args.memory)) as engine:
         if engine.tokenizer is None:
             raise SystemExit(f"{args.vault} has no tokenizer: chat requests need one")
         rng = random.Random(0)

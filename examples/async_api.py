@@ -12,7 +12,7 @@ from smoe.chat.demo import demo_vault
 
 
 async def main(vault: str) -> None:
-    async with smoe.Engine.open(vault, memory="64MB") as engine:
+    async with smoe.Engine.open(vault, memory="1GB") as engine:  # the whole process
         chat = engine.conversation(system="You are a helpful assistant.")
         for question in ("What is a mixture of experts?", "Say it in three words."):
             print(f"> {question}")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from smoe.commands.bench import add_bench
+from smoe.commands.plan import add_plan
 from smoe.commands.run import add_chat, add_generate, add_serve
 from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard, add_synth
 from smoe.errors import SmoeError
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_export(sub)
     add_shard(sub)
+    add_plan(sub)
     return p
 
 

@@ -54,7 +54,7 @@ async def test_demo_chats(tmp_path, monkeypatch):
     from smoe.engine import Engine
 
     monkeypatch.setenv("SMOE_CACHE", str(tmp_path))
-    async with Engine.open(demo_vault(), memory="2MB") as engine:
+    async with Engine.open(demo_vault(), slots=61) as engine:  # 2 MB of experts
         conv = engine.conversation(system="You are a demo.")
         events = [ev async for ev in conv.send("Hello!", max_tokens=8)]
         assert events[-1].finish_reason in ("stop", "length")

@@ -122,10 +122,10 @@ async def test_cancelling_the_task_leaves_the_engine_usable(vault):
 @pytest.mark.asyncio
 async def test_bad_input_fails_before_any_work(vault):
     top_k = vault.manifest.shape.experts_per_token
-    with pytest.raises(SmoeError, match=f"at least {top_k} slots") as info:
+    with pytest.raises(SmoeError, match=f"{top_k} expert slots") as info:
         async with Engine.open(vault.path, memory="10KB"):
             pass
-    assert "--memory" in str(info.value)
+    assert "smallest that works is --memory" in str(info.value)
     async with Engine.open(vault.path, max_context=64) as engine:
         with pytest.raises(SmoeError, match="exceed the context of 64"):
             await collect(engine, list(range(1, 60)), max_tokens=10)
@@ -180,7 +180,7 @@ def test_cli_generate_json(vault, run_cli):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--prompt-ids", "1,2", "--memory", "1KB"], "use --memory"),
+        (["--prompt-ids", "1,2", "--memory", "1KB"], "smallest that works is --memory"),
         (["--prompt-ids", "1,2", "--max-tokens", "999999"], "exceed the context"),
         ([], "exactly one of --prompt"),
         (["--prompt-ids", "1,2", "--hint-depth", "6"], "needs a '+hint' policy"),

@@ -197,7 +197,7 @@ async def test_every_memory_budget_gives_the_same_bits(quantized):
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     budgets = {
         "minimum": dict(slots=top_k_of(vault)),
-        "half": dict(memory=(m.num_records // 2) * m.record.stride),
+        "half": dict(slots=m.num_records // 2),
         "all": {},
     }
     expected_slots = {"minimum": top_k_of(vault), "half": m.num_records // 2, "all": m.num_records}
@@ -489,7 +489,7 @@ async def test_whole_layer_mode_used_on_gpus_is_exact_too(quantized):
     prompt = _prompt(70, seed=4)
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, 8)
     m = vault.manifest
-    async with Engine.open(vault.path, memory=(m.num_records // 2) * m.record.stride) as engine:
+    async with Engine.open(vault.path, slots=m.num_records // 2) as engine:
         modules = [x for x in engine.runner.model.modules() if isinstance(x, StreamingExperts)]
         assert modules and all(x.overlap for x in modules)  # the CPU default
         for x in modules:

@@ -212,7 +212,7 @@ async def test_kv_bits_tokens_equal_mlx_lm_generate_step(arch, kv_bits, models):
     small ring and at all experts."""
     from mlx_lm.generate import generate_step
 
-    from smoe.engine.options import kv_group_size
+    from smoe.engine.budget import kv_group_size
 
     vault, model = models(arch, 4)
     prompt = np.random.default_rng(9).integers(10, 4000, 200).tolist()

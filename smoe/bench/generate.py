@@ -24,6 +24,15 @@ def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(tokens)]
 
 
+def ring_options(vault: Vault | str, ring: str | None) -> dict[str, Any]:
+    """Engine.open options for a benchmark's ring budget (``budget_slots``; None: the
+    engine's default). Benchmarks size the ring alone: --memory is the whole process."""
+    if ring is None:
+        return {}
+    v = vault if isinstance(vault, Vault) else Vault.open(vault)
+    return {"slots": budget_slots(v, ring)}
+
+
 def budget_slots(vault: Vault, budget: str) -> int:
     """'min' (one token's top-k), 'half' (half the experts), 'all', a share of the experts
     like '25%', or a size like 2GB (in records of the vault's stride)."""

@@ -82,7 +82,7 @@ def baseline_run(
         raw = np.zeros(buffers * stride + HUGE_PAGE, dtype=np.uint8)
         start = (-int(raw.ctypes.data)) % HUGE_PAGE
         advise_huge_pages(int(raw.ctypes.data), raw.nbytes)
-        whole = memoryview(raw[start : start + buffers * stride])
+        whole = raw[start : start + buffers * stride].data
         turn = 0
         try:
             while True:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -28,10 +29,11 @@ from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
+from smoe.engine.budget import Fit, kv_group_size
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.mirror import Leader, Request
-from smoe.engine.options import EngineOptions, kv_group_size
+from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import RingPlan, choose_device, current_device, plan_ring
@@ -52,6 +54,8 @@ from smoe.vault.source import Source, open_model
 if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
 
+log = logging.getLogger("smoe.engine")
+
 
 class Engine(GroupAPI):
     """A vault (or a checkpoint folder, streamed from its shards) opened for inference.
@@ -68,6 +72,7 @@ class Engine(GroupAPI):
         # None when one process computes every expert.
         self.ranks: Ranks | None = None
         self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
+        self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
 
     @classmethod
     def open(
@@ -86,6 +91,9 @@ class Engine(GroupAPI):
         what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
         VaultError for a vault that does not verify."""
         plan = self._check_and_plan()
+        self.fit = plan.fit
+        if plan.fit is not None:
+            log.info(plan.fit.line())
         # The backbone is untrusted: hash it (once per change of the file) before loading it.
         await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
@@ -132,6 +140,9 @@ class Engine(GroupAPI):
             slots=o.slots,
             max_batch=o.max_batch,
             max_context=o.max_context,
+            kv_bits=o.kv_bits,
+            prefill_chunk=o.prefill_chunk,
+            workers=o.workers,
         )
 
     async def _join_group(self, plan: RingPlan) -> RingPlan:

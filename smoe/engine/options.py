@@ -11,13 +11,15 @@ from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
-KV_BITS = (4, 8)  # quantized KV cache widths offered (mlx-lm's QuantizedKVCache, groups of 64)
+KV_BITS = (4, 8)  # quantized KV cache widths offered (mlx-lm's QuantizedKVCache)
 
 
 @dataclass
 class EngineOptions:
-    memory: int | str | None = None  # ring budget, e.g. "6GB"; None: all experts if they fit,
-    # else what does (smoe.engine.ring_plan: the GPU's free memory, or half the available memory)
+    memory: int | str | None = None  # the whole process's budget, e.g. "6GB": backbone + KV
+    # caches + working memory + the ring, which gets what remains (smoe.engine.budget); None:
+    # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
+    # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
     workers: int = 4  # I/O threads
     read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
@@ -106,18 +108,3 @@ class EngineOptions:
         if self.hint_depth is not None:
             return self.hint_depth
         return default_hint_depth(top_k, num_experts)
-
-
-def kv_group_size(config: dict[str, Any]) -> int:
-    """The group a quantized KV cache rounds keys and values in: mlx-lm's 64 where the
-    heads' width allows, else 32 (e.g. heads of 32); SmoeError where neither divides it."""
-    if config.get("kv_lora_rank"):  # MLA (DeepSeek): keys are nope+rope wide, 64-multiples
-        return 64
-    width = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    for group in (64, 32):
-        if width % group == 0:
-            return group
-    raise SmoeError(
-        f"--kv-bits needs attention heads whose width is a multiple of 32; this model's "
-        f"are {width} wide: leave --kv-bits out"
-    )

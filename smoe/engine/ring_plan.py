@@ -5,11 +5,13 @@ record format, the compute dtype and the memory there is. No MLX arrays are made
   memory) and wherever the records' float components are not in the compute dtype (kernels
   would otherwise convert the whole ring on every call); unified otherwise (reads land in
   place). ``ring="unified"`` or ``"staged"`` forces one, refused where it cannot work.
-- Size: ``slots``, else what ``memory`` holds, else the default budget: every expert if
+- Size: ``slots``, else what ``memory`` leaves: the whole process's budget less the
+  backbone, the KV caches and working memory (smoe.engine.budget; on a discrete GPU, its
+  memory: the host's runtime is not counted), else the default budget: every expert if
   they fit, else as many as do. On a discrete GPU what fits is 90% of its free memory less
   the backbone and room for the KV caches; elsewhere half the available memory beside the
-  backbone (``available_memory``: cgroup limits included). A ring that cannot fit is
-  refused with the budget that would.
+  backbone (``available_memory``: cgroup limits included). A budget that cannot hold the
+  rest and one layer's top-k is refused naming the smallest that works.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from smoe.engine.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
 from smoe.errors import SmoeError
 from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
+from smoe.models.checkpoint import safetensors_header
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
-from smoe.vault.layout import RecordLayout
+from smoe.vault.layout import RECORD_ALIGN, RecordLayout
 
 KINDS = ("auto", "unified", "staged")
 
@@ -43,6 +47,7 @@ class RingPlan:
     kind: str  # "unified" or "staged"
     slots: int
     slot_bytes: int  # memory one slot takes in this kind of ring
+    fit: Fit | None = None  # how a whole-process --memory divided (None: --slots or default)
 
     @property
     def nbytes(self) -> int:
@@ -194,15 +199,40 @@ def slot_bytes(kind: str, layout: RecordLayout, dtype: Any) -> int:
     return UnifiedRing.slot_bytes(layout)
 
 
+def budget_parts(
+    vault: Vault,
+    dtype: Any,
+    *,
+    kind: str,
+    discrete: bool = False,
+    max_batch: int = 8,
+    max_context: int | None = None,
+    kv_bits: int | None = None,
+    prefill_chunk: int = 64,
+    workers: int = 4,
+) -> Parts:
+    """The budget's parts beside the ring (smoe.engine.budget.parts) for this vault: its
+    backbone as loaded, a staged ring's host landing buffers (2 per worker)."""
+    dsize = int(dtype.size)
+    landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
+    return parts(
+        vault.config(),
+        backbone_bytes(safetensors_header(vault.backbone_path), dsize),
+        dsize,
+        context=max_context,
+        sequences=max_batch,
+        kv_bits=kv_bits,
+        prefill_chunk=prefill_chunk,
+        landing=landing,
+        device_memory=discrete,
+    )
+
+
 def kv_room(config: dict[str, Any], dtype: Any, max_batch: int, max_context: int | None) -> int:
     """Bytes of KV cache for ``max_batch`` sequences at the model's full context (or
     ``max_context``): what a GPU keeps free for them beside the ring."""
-    context = min(max_context or 1 << 30, config.get("max_position_embeddings") or 4096)
-    layers = int(config.get("num_hidden_layers", 1))
-    heads = int(config.get("num_attention_heads", 1))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(1, heads))
-    return max_batch * context * 2 * layers * kv_heads * head_dim * int(dtype.size)
+    attn = Attention.of(config)
+    return kv_bytes(attn, int(dtype.size), min(max_context or 1 << 30, attn.max_context), max_batch)
 
 
 def gpu_room(
@@ -225,31 +255,54 @@ def plan_ring(
     slots: int | None = None,
     max_batch: int = 8,
     max_context: int | None = None,
+    kv_bits: int | None = None,
+    prefill_chunk: int = 64,
+    workers: int = 4,
 ) -> RingPlan:
-    """The ring to build (module docstring). Raises SmoeError naming the fix for a budget
-    below one layer's top-k, a ring the GPU cannot hold, or a ring kind that cannot work."""
+    """The ring to build (module docstring). ``memory`` is the whole process's budget
+    (smoe.engine.budget); the plan's ``fit`` says how it divides. Raises SmoeError naming
+    the fix for a budget too small for the backbone, KV, working memory and one layer's
+    top-k, a ring the GPU cannot hold, or a ring kind that cannot work."""
     m = vault.manifest
     kind = ring_kind(requested, m.record, dtype, device)
     per_slot = slot_bytes(kind, m.record, dtype)
     top_k = m.shape.experts_per_token
     room = gpu_room(vault, dtype, device, max_batch, max_context) if device.discrete else None
+    budget: Fit | None = None
     if slots is not None:
         if slots < top_k:
             raise SmoeError(f"slots={slots} is below one token's top-{top_k}; use {top_k} or more")
         count = int(slots)
-    else:
-        if memory is None:
-            memory = _default_budget(vault, per_slot, top_k, room)
+    elif memory is None:
         count = slots_for_budget(
-            memory, per_slot, top_k, max_slots=m.num_records, reason=f"one layer's top-{top_k}"
+            _default_budget(vault, per_slot, top_k, room),
+            per_slot,
+            top_k,
+            max_slots=m.num_records,
+            reason=f"one layer's top-{top_k}",
         )
+    else:
+        needs = budget_parts(
+            vault,
+            dtype,
+            kind=kind,
+            discrete=device.discrete,
+            max_batch=max_batch,
+            max_context=max_context,
+            kv_bits=kv_bits,
+            prefill_chunk=prefill_chunk,
+            workers=workers,
+        )
+        budget = fit(memory, needs, slot_bytes=per_slot, min_slots=top_k, num_records=m.num_records)
+        count = budget.slots
     if room is not None and count * per_slot > room:
+        whole = room + (budget.fixed if budget is not None else 0)  # --memory is the whole
         raise SmoeError(
             f"a ring of {format_bytes(count * per_slot)} does not fit this GPU: "
             f"{format_bytes(room)} are free beside the backbone and the KV caches; use "
-            f"--memory {_size_at_most(room)} or less, or --device cpu"
+            f"--memory {_size_at_most(whole)} or less, or --device cpu"
         )
-    return RingPlan(kind, count, per_slot)
+    return RingPlan(kind, count, per_slot, budget)
 
 
 def _size_at_most(nbytes: int) -> str:

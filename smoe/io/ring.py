@@ -149,6 +149,7 @@ class ExpertRing(Protocol):
     num_slots: int
     stride: int  # bytes one read moves: the vault's record stride
     nbytes: int  # memory the slots take (the budget's subject)
+    huge_pages: bool  # whether the kernel was asked to back the slots with huge pages
 
     def land(self, slot: int) -> Landing:
         """I/O thread: a Landing for ``slot``'s next record. May block until a landing

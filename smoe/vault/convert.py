@@ -83,6 +83,11 @@ def _check_options(opts: ConvertOptions, source_q: dict[str, Any] | None) -> tup
     if source_q is None:
         return opts.bits or DEFAULT_BITS, opts.group_size or DEFAULT_GROUP
     sb, sg = source_q.get("bits"), source_q.get("group_size")
+    if not isinstance(sb, int) or not isinstance(sg, int):
+        raise SmoeError(
+            "the source's config.json 'quantization' lacks integer bits and group_size: "
+            "re-save it with mlx-lm's convert"
+        )
     if (opts.bits not in (None, sb)) or (opts.group_size not in (None, sg)):
         raise SmoeError(
             f"the source is already MLX-quantized ({sb} bits, group {sg}) and is copied byte "
@@ -156,7 +161,7 @@ def _write_layer_records(
         for comp, col in columns:
             record[comp.offset : comp.offset + comp.nbytes] = col[e]
         sums.append(digest(DEFAULT_ALGORITHM, record[: layout.size]))
-        f.write(memoryview(record))
+        f.write(record.data)
     return sums
 
 
@@ -211,6 +216,24 @@ def _estimate_bytes(plan: ConversionPlan, layout: RecordLayout) -> int:
     manifest = 8192 + 24 * records  # a checksum per record, and the layout
     need = records * layout.stride + plan.backbone_bytes() + side + config + manifest
     return need + need // 50
+
+
+@dataclass(frozen=True)
+class SourceShape:
+    """What `convert` would make of a checkpoint, known without reading a weight."""
+
+    checkpoint: SourceCheckpoint
+    layout: RecordLayout  # one expert's record
+    backbone: dict[str, mx.array]  # the backbone's tensors as encoded (lazy: shapes, dtypes)
+
+
+def source_shape(src: Path | str, opts: ConvertOptions | None = None) -> SourceShape:
+    """The record layout and backbone ``convert(src, ..., opts)`` would write (`smoe plan`
+    on a source folder). Raises SmoeError as convert does for a bad source or option."""
+    ck = open_checkpoint(Path(src))
+    plan = _make_plan(ck, opts or ConvertOptions())
+    layout = _layout_of(plan.expert_tensors(ck.experts[0].path))
+    return SourceShape(ck, layout, plan.backbone_tensors())
 
 
 def convert(

@@ -70,7 +70,7 @@ class ConversionPlan:
 
         def packing(path: str) -> dict[str, Any] | None:
             m = modules.get(path)
-            if getattr(m, "bits", None) is None:
+            if m is None or getattr(m, "bits", None) is None:
                 return None
             return {
                 "mode": getattr(m, "mode", "affine"),
@@ -200,13 +200,13 @@ class ConversionPlan:
         if self.source_q is not None:
             # Each expert projection's packing made explicit: mlx-lm's converter names only
             # the modules its predicate set apart, and the records are the rest's only trace.
-            q = dict(self.source_q)
+            explicit = dict(self.source_q)
             for path in self.projections:
                 for proj, packing in self.source_packing.items():
-                    q[f"{path}.{proj}"] = dict(packing) if packing else False
-            config["quantization"] = q
+                    explicit[f"{path}.{proj}"] = dict(packing) if packing else False
+            config["quantization"] = explicit
             if "quantization_config" in config:  # mlx-lm's copy for HF tooling
-                config["quantization_config"] = q
+                config["quantization_config"] = explicit
             return config
         config.pop("quantization", None)
         config.pop("quantization_config", None)

@@ -1,0 +1,290 @@
+"""`smoe plan`: before loading anything, whether a model fits a memory budget and how fast
+it will run there (docs/plan.md).
+
+The fit is the engine's own arithmetic (smoe.engine.budget through ring_plan's parts), from
+config.json and safetensors headers; the speed is smoe.bench.forecast's model over a disk
+probe and a compute probe (smoe.bench.probe) and the routing curves at hand (the vault's
+popularity counts, else published locality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smoe.bench.forecast import Shape, forecast, routing_probabilities
+from smoe.bench.probe import probe_compute, probe_disk, recorded_compute
+from smoe.engine.budget import (
+    KV_STEP,
+    Attention,
+    Parts,
+    backbone_bytes,
+    fit,
+    parts,
+    suggest_at_least,
+)
+from smoe.engine.ring_plan import (
+    Device,
+    available_memory,
+    choose_device,
+    current_device,
+    ring_kind,
+    slot_bytes,
+)
+from smoe.errors import SmoeError
+from smoe.models.checkpoint import safetensors_header
+from smoe.vault.layout import RECORD_ALIGN, RecordLayout
+from smoe.vault.names import MANIFEST
+
+
+@dataclass
+class PlanOptions:
+    memory: int | str | None = None  # the whole process's budget; None: the engine's default
+    device: str | None = None  # "cpu", "gpu"; None: MLX's default
+    dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on a GPU
+    context: int | None = None  # tokens the KV caches are budgeted for; None: the model's
+    kv_bits: int | None = None  # 4 or 8: mlx-lm's quantized KV cache
+    max_batch: int = 1  # sequences decoded together (KV caches kept)
+    prefill_chunk: int = 64
+    workers: int = 4
+    bits: int | None = None  # a source folder: the --bits `smoe convert` would use
+    probe_seconds: float = 3.0
+    probe_requests: int = 4  # compute probe: measured requests (after one warm-up)
+    probe_chunks: int = 2  # compute probe: prefill chunks per request
+    fresh: bool = False  # measure again rather than reuse cached/recorded figures
+    compute: bool = True  # run (or reuse) the compute probe
+
+
+@dataclass
+class Subject:
+    """A vault or a source folder, as far as the plan needs it."""
+
+    path: Path
+    kind: str  # "vault" or "source"
+    config: dict[str, Any]
+    layout: RecordLayout
+    shape: Shape
+    backbone: Any  # (dsize) -> bytes in memory
+    probe_file: Path  # a large file of the model, to probe the disk it sits on
+    popularity: np.ndarray | None
+    vault: Any = None
+
+
+def open_subject(path: Path, bits: int | None) -> Subject:
+    """A vault (a folder with manifest.json) or a HF/MLX checkpoint folder. Raises
+    SmoeError/VaultError naming the fix for anything else."""
+    if (path / MANIFEST).exists():
+        from smoe.sched.popularity import Popularity
+        from smoe.vault.format import Vault
+
+        if bits is not None:
+            raise SmoeError("--bits is for a source folder; a vault's records are already made")
+        vault = Vault.open(path)
+        m = vault.manifest
+        header = safetensors_header(vault.backbone_path)
+        return Subject(
+            path,
+            "vault",
+            vault.config(),
+            m.record,
+            Shape(len(m.layers), m.num_experts, m.shape.experts_per_token, m.record.stride),
+            lambda dsize: backbone_bytes(header, dsize),
+            vault.experts_path,
+            Popularity(vault).counts,
+            vault,
+        )
+    from smoe.vault.convert import ConvertOptions, source_shape
+
+    src = source_shape(path, ConvertOptions(bits=bits))
+    ck = src.checkpoint
+    tensors = src.backbone
+
+    def backbone(dsize: int) -> int:
+        import mlx.core as mx
+
+        return sum(
+            a.size * dsize if mx.issubdtype(a.dtype, mx.floating) else a.nbytes
+            for a in tensors.values()
+        )
+
+    top = ck.topology
+    return Subject(
+        path,
+        "source",
+        ck.config,
+        src.layout,
+        Shape(len(ck.experts), top.num_experts, top.experts_per_token, src.layout.stride),
+        backbone,
+        max(ck.files, key=lambda f: f.stat().st_size),
+        None,
+    )
+
+
+def _needs(
+    subject: Subject, o: PlanOptions, dsize: int, kind: str, context: int, device: Device
+) -> Parts:
+    """What the engine would budget beside the ring (smoe.engine.budget.parts)."""
+    landing = 2 * o.workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
+    return parts(
+        subject.config,
+        subject.backbone(dsize),
+        dsize,
+        context=context,
+        sequences=o.max_batch,
+        kv_bits=o.kv_bits,
+        prefill_chunk=o.prefill_chunk,
+        landing=landing,
+        device_memory=device.discrete,
+    )
+
+
+def context_limit(needs_at: Any, top_k: int, per_slot: int, memory: int, limit: int) -> int:
+    """The longest context (in the caches' 256-token steps, at most the model's ``limit``)
+    at which ``memory`` holds ``needs_at(context)`` and one layer's top-k slots; 0 if none."""
+    lo, hi = 0, max(1, -(-limit // KV_STEP))
+    while lo < hi:  # the most steps that fit
+        mid = (lo + hi + 1) // 2
+        if needs_at(min(mid * KV_STEP, limit)).fixed + top_k * per_slot <= memory:
+            lo = mid
+        else:
+            hi = mid - 1
+    return min(lo * KV_STEP, limit)
+
+
+def _experts(s: Shape, per_slot: int) -> dict[str, int]:
+    return {
+        "moe_layers": s.layers,
+        "per_layer": s.experts,
+        "top_k": s.top_k,
+        "records": s.records,
+        "record_bytes": s.record_bytes,
+        "slot_bytes": per_slot,
+        "all_bytes": s.records * per_slot,
+    }
+
+
+def _default_memory(fixed: int, every: int, device: Device) -> int:
+    """The engine's default budget as a whole: every expert if it fits (half the available
+    memory, or 90% of a GPU's free memory), else what there is."""
+    room = int((device.free_memory or 0) * 0.9) if device.discrete else None
+    if room is None:
+        available = available_memory()
+        room = available // 2 if available is not None else fixed + every
+    return min(room, fixed + every)
+
+
+async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
+    """The whole plan as JSON-able data (docs/plan.md lists its fields)."""
+    import mlx.core as mx
+
+    subject = open_subject(path, o.bits)
+    if o.kv_bits not in (None, 4, 8):
+        raise SmoeError(f"--kv-bits must be 4 or 8, not {o.kv_bits}")
+    mlx_device = choose_device(o.device)
+    device = current_device(mlx_device)
+    device_name = "gpu" if mlx_device == mx.gpu else "cpu"
+    dtype_name = o.dtype or ("bfloat16" if device_name == "gpu" else "float32")
+    dtype = getattr(mx, dtype_name)
+    dsize = int(dtype.size)
+    kind = ring_kind("auto", subject.layout, dtype, device)
+    per_slot = slot_bytes(kind, subject.layout, dtype)
+    attn = Attention.of(subject.config)
+    context = min(o.context or attn.max_context, attn.max_context)
+    s = subject.shape
+    needs = _needs(subject, o, dsize, kind, context, device)
+    fixed = needs.fixed
+    smallest = fixed + s.top_k * per_slot
+    every = s.records * per_slot
+    memory = _default_memory(fixed, every, device) if o.memory is None else _parse(o.memory)
+    out: dict[str, Any] = {
+        "model": str(path),
+        "kind": subject.kind,
+        "device": device_name,
+        "dtype": dtype_name,
+        "ring": kind,
+        "experts": _experts(s, per_slot),
+        "smallest_memory_bytes": smallest,
+        "smallest_memory": suggest_at_least(smallest),
+        "memory_for_every_expert": suggest_at_least(fixed + every),
+        "context_limit": context_limit(
+            lambda c: _needs(subject, o, dsize, kind, c, device),
+            s.top_k,
+            per_slot,
+            memory,
+            attn.max_context,
+        ),
+    }
+    try:
+        budget = fit(memory, needs, slot_bytes=per_slot, min_slots=s.top_k, num_records=s.records)
+    except SmoeError as e:
+        out |= {"fits": False, "fit": None, "why": str(e)}
+        return out
+    out |= {"fits": True, "fit": budget.to_json(), "line": budget.line()}
+    out["disk"] = disk = await _probe_disk(subject, o)
+    q, source = routing_probabilities(s, subject.popularity)
+    out["routing"] = source
+    compute = None
+    if o.compute and subject.vault is not None:
+        compute = await _compute(subject.vault, o, device_name, dtype_name, budget.slots, disk)
+    out["compute"] = compute
+    if compute is None:
+        out["why_no_speed"] = (
+            "convert the model first: compute is measured on a vault"
+            if subject.vault is None
+            else "the compute probe was skipped"
+        )
+    else:
+        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk, o.workers)
+    out["cold_fill_s"] = round(budget.slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
+    return out
+
+
+async def _probe_disk(subject: Subject, o: PlanOptions) -> dict[str, Any]:
+    """probe_disk on a thread (it blocks for seconds); an unreadable file is a SmoeError."""
+    import anyio
+
+    def probe() -> dict[str, Any]:
+        s = subject.shape
+        return probe_disk(
+            subject.probe_file, s.record_bytes, o.workers, seconds=o.probe_seconds, fresh=o.fresh
+        )
+
+    try:
+        return await anyio.to_thread.run_sync(probe)
+    except OSError as e:
+        raise SmoeError(
+            f"cannot probe the disk by reading {subject.probe_file} ({e.strerror or e}); "
+            "check that the file is there and readable"
+        ) from None
+
+
+async def _compute(
+    vault: Any, o: PlanOptions, device: str, dtype: str, slots: int, disk: dict[str, Any]
+) -> dict[str, Any]:
+    """The compute figures recorded for this device, dtype and ring, else measured now."""
+    recorded = None if o.fresh else recorded_compute(vault, device, dtype, slots)
+    if recorded is not None:
+        return recorded | {"recorded": True}
+    return await probe_compute(
+        vault,
+        device=device,
+        dtype=dtype,
+        slots=slots,
+        disk_gbps=disk["gbps"],
+        workers=o.workers,
+        requests=o.probe_requests,
+        chunks=o.probe_chunks,
+    )
+
+
+def _parse(memory: int | str) -> int:
+    from smoe.util.sizes import parse_size
+
+    value = parse_size(memory)
+    if not math.isfinite(value) or value <= 0:
+        raise SmoeError(f"--memory must be positive, not {memory}")
+    return value

@@ -1,0 +1,166 @@
+"""The two measurements `smoe plan` forecasts from (docs/plan.md):
+
+- the disk: a few seconds of O_DIRECT random reads of record-sized extents of the model's
+  file at the engine's worker count (``smoe.bench.io.baseline_run``, the reader's own
+  machinery), in rounds whose spread is reported; cached per block device, record size
+  and worker count in the cache directory's ``disk-probe.json``;
+- the compute: an engine on the vault with the planned ring decodes a few short requests
+  after one that warms it; the time it did not spend waiting for reads, per token, is the
+  compute per token, the scheduler's and the reads' CPU work included (one figure per
+  request: their spread is the band's). Prefill: the time of a prompt's chunks less its
+  reads at the probed disk rate. Recorded in the vault's ``stats/compute.json`` per
+  device, dtype, ring size and host, and reused unless asked afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from smoe.bench.io import baseline_run, drop_file_cache
+from smoe.chat.demo import cache_dir
+from smoe.util.files import file_lock, write_json_atomic
+from smoe.vault.format import Vault
+
+DISK_FILE = "disk-probe.json"
+COMPUTE_FILE = "compute.json"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A cache file's object; an unreadable one is treated as empty (it is only a cache)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def disk_key(path: Path, stride: int, workers: int) -> str:
+    """Which device a probe measured: the block device's number, the read size, workers."""
+    return f"dev{os.stat(path).st_dev}:stride{stride}:workers{workers}"
+
+
+def probe_disk(
+    path: Path,
+    stride: int,
+    workers: int,
+    *,
+    seconds: float = 3.0,
+    rounds: int = 3,
+    fresh: bool = False,
+    cache: Path | None = None,
+) -> dict[str, Any]:
+    """GB/s of random O_DIRECT reads of ``stride``-byte extents of ``path`` with
+    ``workers`` threads: {"gbps_low", "gbps", "gbps_high", "cached"} (the slowest, median
+    and fastest of ``rounds`` rounds of about ``seconds`` / ``rounds`` each). A cached
+    figure for the same device, stride and workers is returned unless ``fresh``.
+    Raises OSError if the file cannot be read."""
+    cache = cache or cache_dir() / DISK_FILE
+    key = disk_key(path, stride, workers)
+    known = _read_json(cache).get(key)
+    if not fresh and isinstance(known, dict) and {"gbps_low", "gbps", "gbps_high"} <= set(known):
+        return dict(known) | {"cached": True}
+    extents = max(1, os.stat(path).st_size // stride)
+    rng = random.Random(0)
+    rates: list[float] = []
+    count = max(workers * 2, 8)  # a first small round sizes the others
+    budget = seconds / rounds
+    drop_file_cache(path)
+    for _ in range(rounds + 1):
+        order = [rng.randrange(extents) for _ in range(count)]
+        run = baseline_run(path, stride, order, workers)
+        if run.seconds > 0.05 or count >= 4 * extents:
+            rates.append(run.gbps)
+        count = max(workers, min(4 * extents, int(count * budget / max(run.seconds, 1e-3))))
+        drop_file_cache(path)  # a repeated extent must come from the disk again
+    rates = sorted(rates[-rounds:])
+    result = {
+        "gbps_low": round(rates[0], 4),
+        "gbps": round(rates[len(rates) // 2], 4),
+        "gbps_high": round(rates[-1], 4),
+        "stride": stride,
+        "workers": workers,
+        "file": str(path),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(cache.with_suffix(".lock")):
+        write_json_atomic(cache, _read_json(cache) | {key: result})
+    return result | {"cached": False}
+
+
+def compute_key(device: str, dtype: str, slots: int) -> str:
+    return f"{device}:{dtype}:slots{slots}:{platform.node()}"
+
+
+def recorded_compute(vault: Vault, device: str, dtype: str, slots: int) -> dict[str, Any] | None:
+    """The compute figures a probe recorded in the vault for this device, dtype, ring size
+    and host."""
+    found = _read_json(vault.stats_dir / COMPUTE_FILE).get(compute_key(device, dtype, slots))
+    return dict(found) if isinstance(found, dict) and "decode_s" in found else None
+
+
+async def probe_compute(
+    vault: Vault,
+    *,
+    device: str,
+    dtype: str,
+    slots: int,
+    disk_gbps: float,
+    workers: int = 4,
+    requests: int = 4,
+    tokens: int = 6,
+    chunks: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Compute per decode token and per prefill token on ``device`` with a ring of
+    ``slots`` (module docstring), recorded in the vault. A ring of every expert is filled
+    first: its figures are the resident rate (device tables, no host round trip). Opens
+    an engine (SmoeError as Engine.open)."""
+    from smoe.bench.generate import random_prompt
+    from smoe.bench.resident import fill_ring
+    from smoe.engine import Engine
+
+    m = vault.manifest
+    slots = max(m.shape.experts_per_token, min(slots, m.num_records))
+    decode: list[float] = []
+    prefill: list[float] = []
+    options: dict[str, Any] = {"slots": slots, "workers": workers, "dtype": dtype}
+    async with Engine.open(vault.path, device=device, **options) as engine:
+        chunk = engine.options.prefill_chunk
+        if slots >= m.num_records:
+            await fill_ring(engine)
+        for i in range(requests + 1):  # the first warms the ring and compiles: not counted
+            prompt = random_prompt(vault, chunks * chunk + 1, seed + i)
+            stats = None
+            async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
+                stats = ev.stats or stats
+            if i == 0 or stats is None or not stats.decode_tok_s:
+                continue
+            # a staged ring's copies happen inside the waits, but they are the compute
+            # thread's work: counted as compute
+            busy = 1 - stats.decode_io_wait_share + stats.decode_copy_share
+            decode.append(busy / stats.decode_tok_s)
+            reads = stats.prefill_bytes / (disk_gbps * 1e9)
+            prefill_s = stats.prefilled_tokens / max(stats.prefill_tok_s, 1e-9)
+            prefill.append(max(prefill_s - reads, 0.0) / max(stats.prefilled_tokens, 1))
+    result: dict[str, Any] = {
+        "decode_s": [round(x, 6) for x in sorted(decode)],
+        "prefill_token_s": [round(x, 7) for x in sorted(prefill)],
+        "slots": slots,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path = vault.stats_dir / COMPUTE_FILE
+    try:
+        path.parent.mkdir(exist_ok=True)
+        with file_lock(path.with_suffix(".lock")):
+            key = compute_key(device, dtype, slots)
+            write_json_atomic(path, _read_json(path) | {key: result})
+    except OSError:  # a read-only vault: the figure is still used, just not kept
+        pass
+    return result | {"device": device, "dtype": dtype, "recorded": False}

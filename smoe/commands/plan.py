@@ -1,0 +1,131 @@
+"""`smoe plan SRC_OR_VAULT [--memory X]`: whether a model fits a memory budget and how fast
+it will run there, before loading it (smoe.bench.planner; docs/plan.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from smoe.bench.planner import PlanOptions, make_plan
+    from smoe.util.loop import run
+
+    options = PlanOptions(
+        memory=args.memory,
+        device=args.device,
+        dtype=args.dtype,
+        context=args.context,
+        kv_bits=args.kv_bits,
+        max_batch=args.max_batch,
+        workers=args.workers,
+        bits=args.bits,
+        probe_seconds=args.probe_seconds,
+        fresh=args.fresh,
+        compute=not args.no_compute,
+    )
+    plan = run(make_plan(args.model, options))
+    print(json.dumps(plan, indent=1) if args.json else render(plan))
+    return 0
+
+
+def _gb(n: float) -> str:
+    from smoe.util.sizes import format_bytes
+
+    return format_bytes(n)
+
+
+def _band(pair: list[float], unit: str) -> str:
+    return f"{pair[0]:g} - {pair[1]:g} {unit}"
+
+
+def render(plan: dict[str, Any]) -> str:
+    """The plan as a human table."""
+    e = plan["experts"]
+    rows = [
+        ("model", f"{plan['model']} ({plan['kind']})"),
+        ("device", f"{plan['device']}, {plan['dtype']}, {plan['ring']} ring"),
+        (
+            "experts",
+            f"{e['records']} = {e['moe_layers']} layers x {e['per_layer']} (top-{e['top_k']}), "
+            f"{_gb(e['record_bytes'])} each, {_gb(e['all_bytes'])} in all",
+        ),
+        ("smallest memory", plan["smallest_memory"]),
+        ("every expert", plan["memory_for_every_expert"]),
+        ("context limit", f"{plan['context_limit']} tokens at this budget"),
+    ]
+    if not plan["fits"]:
+        rows.append(("fit", f"does not fit: smallest budget {plan['smallest_memory']}"))
+        return _table(rows)
+    rows.append(("fit", plan["line"]))
+    d = plan["disk"]
+    cached = " (cached)" if d.get("cached") else ""
+    rows.append(("disk", f"{d['gbps_low']:g} / {d['gbps']:g} / {d['gbps_high']:g} GB/s{cached}"))
+    rows.append(("routing", plan["routing"]))
+    c = plan["compute"]
+    if c is not None:
+        how = "recorded" if c.get("recorded") else "measured"
+        ms = [round(1000 * x, 2) for x in c["decode_s"]]
+        rows.append(("compute", f"{ms} ms per decode token ({how})"))
+    f = plan.get("forecast")
+    if f is not None:
+        rows += [
+            ("hit rate", _band([round(100 * h, 1) for h in f["hit_rate"]], "%")),
+            ("reads / token", _band(f["reads_per_token"], f"({_band(f['MB_per_token'], 'MB')})")),
+            ("decode", _band(f["decode_tok_s"], "tok/s")),
+            ("prefill", _band(f["prefill_tok_s"], "tok/s")),
+            ("cold fill", _band(f["cold_fill_s"], "s")),
+        ]
+    else:
+        rows.append(("speed", plan.get("why_no_speed", "")))
+        rows.append(("cold fill", f"{plan['cold_fill_s']} s"))
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def add_plan(sub: Any) -> None:
+    """`smoe plan` and its options."""
+    p = sub.add_parser(
+        "plan",
+        help="whether a model fits a memory budget, and its speed there, before loading it",
+    )
+    p.add_argument("model", type=Path, help="a vault, or a Hugging Face / MLX checkpoint folder")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="the whole process's budget, e.g. 8GB (default: the engine's default budget)",
+    )
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens the KV caches hold (default: the model's max_position_embeddings)",
+    )
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantized KV cache")
+    p.add_argument(
+        "--max-batch", type=int, default=1, help="sequences decoded together (default 1)"
+    )
+    p.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    p.add_argument(
+        "--bits",
+        type=int,
+        default=None,
+        help="a source folder: the --bits `smoe convert` would use (default: as convert)",
+    )
+    p.add_argument("--probe-seconds", type=float, default=3.0, help="disk probe length (default 3)")
+    p.add_argument(
+        "--fresh", action="store_true", help="measure disk and compute again (not cached)"
+    )
+    p.add_argument(
+        "--no-compute", action="store_true", help="skip the compute probe (no speed band)"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)

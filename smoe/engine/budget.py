@@ -1,0 +1,317 @@
+"""One memory budget for the whole process: backbone + KV caches + working memory + ring.
+
+Pure arithmetic over the model's config.json and its backbone's safetensors header (no
+MLX, no weights read), shared by the engine (``ring_plan``) and ``smoe plan``; every
+formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's item size
+(4: float32 on the CPU, 2: bfloat16 on a GPU).
+
+- backbone: each float tensor cast to the compute dtype (``build_model`` does), packed
+  ones as stored; equal to the loaded arrays' nbytes (tests/test_budget.py).
+- KV: mlx-lm's caches for ``sequences`` sequences at ``context`` tokens: per attention
+  layer K and V of [kv_heads, capacity, head_dim] (DeepSeek's MLA: what its mlx-lm file
+  caches, ``kv_elements``), capacity the context rounded up to the cache's 256-token step;
+  quantized (``kv_bits`` 8 or 4, mlx-lm's QuantizedKVCache): bits/8 bytes per element
+  plus a scale and a bias in the compute dtype per group (``kv_group_size``).
+- working: the Python + MLX + mlx-lm runtime (measured, ``RUNTIME_BYTES``), a prefill
+  chunk's activations and attention scores, the logits of a batch, one layer's KV growing
+  (mlx-lm concatenates the old cache with a new step), all times MLX's buffer cache
+  (``ALLOCATOR_SLACK``: freed buffers are kept for the next pass).
+- ring: what remains, in whole slots, at most every expert, at least one layer's top-k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from smoe.errors import SmoeError
+from smoe.util.sizes import format_bytes, parse_size
+
+# Resident set of a process that imported MLX, mlx-lm and the tokenizers and opened an
+# engine, less the backbone and ring it loaded: 289 MB measured on x86-64 Linux, Python
+# 3.11, MLX 0.32.4 (the demo vault, peak RSS; docs/plan.md). Rounded up by 10%.
+RUNTIME_BYTES = 320 * 10**6
+ALLOCATOR_SLACK = 2.0  # MLX keeps the previous pass's freed buffers for reuse
+KV_STEP = 256  # mlx-lm's KVCache / QuantizedKVCache grow in steps of 256 tokens
+KV_BITS = (None, 8, 4)
+
+_SAFETENSORS_SIZES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+def backbone_bytes(header: dict[str, Any], dsize: int) -> int:
+    """Bytes the backbone's tensors take once loaded: float ones in the compute dtype
+    (``dsize`` bytes per element), the rest (packed weights) as stored. ``header`` is the
+    backbone's safetensors header (smoe.models.checkpoint.safetensors_header)."""
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = entry["dtype"], entry["shape"]
+        if dtype not in _SAFETENSORS_SIZES:
+            raise SmoeError(f"backbone tensor {name} has dtype {dtype} S-MoE cannot size")
+        count = math.prod(int(n) for n in shape)
+        floating = dtype.startswith(("F", "BF"))
+        total += count * (dsize if floating else _SAFETENSORS_SIZES[dtype])
+    return total
+
+
+def kv_elements(config: dict[str, Any]) -> int:
+    """K and V elements one token adds to one layer's mlx-lm cache: 2 x kv_heads x
+    head_dim; DeepSeek-V2's MLA caches keys of nope+rope and values of v_head_dim per head,
+    DeepSeek-V3's its compressed latent and one rope key (their mlx-lm files)."""
+    heads = int(config.get("num_attention_heads", 1))
+    if config.get("kv_lora_rank"):
+        rope = int(config.get("qk_rope_head_dim") or 0)
+        if config.get("model_type") in ("deepseek_v3", "kimi_k2"):
+            return int(config["kv_lora_rank"]) + rope
+        nope, v = int(config.get("qk_nope_head_dim") or 0), int(config.get("v_head_dim") or 0)
+        return heads * (nope + rope + v)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return 2 * kv_heads * _head_dim(config)
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    heads = int(config.get("num_attention_heads", 1))
+    return int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(1, heads))
+
+
+def kv_group_size(config: dict[str, Any]) -> int:
+    """The group a quantized KV cache rounds keys and values in: mlx-lm's 64 where the
+    heads' width allows, else 32 (e.g. heads of 32); SmoeError where neither divides it."""
+    if config.get("kv_lora_rank"):  # MLA (DeepSeek): its cached widths are 64-multiples
+        return 64
+    width = _head_dim(config)
+    for group in (64, 32):
+        if width % group == 0:
+            return group
+    raise _unquantizable(width)
+
+
+def _unquantizable(width: int) -> SmoeError:
+    return SmoeError(
+        f"--kv-bits needs attention heads whose width is a multiple of 32; this model's "
+        f"are {width} wide: leave --kv-bits out"
+    )
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What the KV cache and the attention scores need of a config.json."""
+
+    layers: int  # layers with a KV cache
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    intermediate: int  # the widest MLP a token runs (dense, or top_k x expert width)
+    max_context: int  # the model's max_position_embeddings (4096 if unstated)
+    kv_width: int = 0  # K+V elements per token and layer (kv_elements; 0: 2 x kv_heads x head_dim)
+    kv_group: int = 64  # a quantized cache's group (kv_group_size; 0: cannot be quantized)
+
+    @property
+    def kv_per_token(self) -> int:
+        return self.kv_width or 2 * self.kv_heads * self.head_dim
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> Attention:
+        heads = int(config.get("num_attention_heads", 1))
+        top_k = int(config.get("num_experts_per_tok") or 1)
+        expert = int(config.get("moe_intermediate_size") or 0) * top_k
+        try:
+            group = kv_group_size(config)
+        except SmoeError:
+            group = 0
+        return cls(
+            layers=int(config.get("num_hidden_layers", 1)),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=_head_dim(config),
+            hidden=int(config.get("hidden_size", 0)),
+            vocab=int(config.get("vocab_size", 0)),
+            intermediate=max(int(config.get("intermediate_size") or 0), expert),
+            max_context=int(config.get("max_position_embeddings") or 4096),
+            kv_width=kv_elements(config),
+            kv_group=group,
+        )
+
+
+def kv_capacity(context: int) -> int:
+    """Tokens an mlx-lm cache holding ``context`` tokens has allocated (256-token steps)."""
+    return -(-max(context, 1) // KV_STEP) * KV_STEP
+
+
+def kv_bytes(
+    attn: Attention, dsize: int, context: int, sequences: int = 1, kv_bits: int | None = None
+) -> int:
+    """Bytes of ``sequences`` mlx-lm KV caches holding ``context`` tokens each: K and V per
+    layer, in the compute dtype, or quantized to ``kv_bits`` with a scale and a bias in the
+    compute dtype per ``attn.kv_group`` elements."""
+    if kv_bits not in KV_BITS:
+        raise SmoeError(f"kv_bits must be 4 or 8 (or left out), not {kv_bits}")
+    elements = attn.layers * attn.kv_per_token * kv_capacity(context)
+    if kv_bits is None:
+        per_sequence = elements * dsize
+    else:
+        if not attn.kv_group:
+            raise _unquantizable(attn.head_dim)
+        per_sequence = elements * kv_bits // 8 + 2 * (elements // attn.kv_group) * dsize
+    return sequences * per_sequence
+
+
+def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
+    """Working memory beside the backbone, KV and ring (module docstring)."""
+    # [chunk, hidden] residual stream, norms, q/k/v/o and the MLP's gate/up/act for a chunk
+    activations = chunk * (8 * attn.hidden + 3 * attn.intermediate) * dsize
+    scores = 2 * attn.heads * chunk * kv_capacity(context) * 4  # float32 scores + softmax
+    logits = 2 * batch * attn.vocab * 4  # float32 logits and their log-softmax
+    growth = kv_bytes(attn, dsize, context) // max(1, attn.layers)  # one layer's concatenate
+    return RUNTIME_BYTES + int(ALLOCATOR_SLACK * (activations + scores + logits + growth))
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The budget's parts beside the ring (bytes), for one model, device and options."""
+
+    backbone: int
+    kv: int
+    working: int
+    context: int  # tokens the KV caches are budgeted for
+    sequences: int
+    kv_bits: int | None
+
+    @property
+    def fixed(self) -> int:
+        return self.backbone + self.kv + self.working
+
+
+def parts(
+    config: dict[str, Any],
+    backbone: int,
+    dsize: int,
+    *,
+    context: int | None = None,
+    sequences: int = 1,
+    kv_bits: int | None = None,
+    prefill_chunk: int = 64,
+    landing: int = 0,
+    device_memory: bool = False,
+) -> Parts:
+    """Backbone (its in-memory bytes, ``backbone_bytes``), KV for ``sequences`` sequences
+    at ``context`` tokens (None or beyond the model's: the model's max), and working
+    memory, plus ``landing`` bytes of host buffers (a staged ring's). ``device_memory``: a
+    discrete GPU's budget, which the host's runtime is not in."""
+    attn = Attention.of(config)
+    context = min(context or attn.max_context, attn.max_context)
+    working = working_bytes(attn, dsize, prefill_chunk, context, sequences) + landing
+    if device_memory:
+        working -= RUNTIME_BYTES
+    kv = kv_bytes(attn, dsize, context, sequences, kv_bits)
+    return Parts(backbone, kv, working, context, sequences, kv_bits)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a whole-process budget divides (bytes)."""
+
+    total: int  # the budget
+    backbone: int
+    kv: int
+    working: int  # runtime + activations (+ a staged ring's host landing buffers)
+    slot_bytes: int
+    slots: int  # the ring, in experts
+    num_records: int  # every expert of the model
+    context: int
+    sequences: int
+    kv_bits: int | None
+
+    @property
+    def fixed(self) -> int:
+        return self.backbone + self.kv + self.working
+
+    @property
+    def ring(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def line(self) -> str:
+        """'memory 8.00 GB: backbone 2.10 GB + KV 0.50 GB (4096 context, 8-bit) + working
+        0.60 GB -> ring 4.80 GB = 310 experts (5.2%)'."""
+        bits = "model dtype" if self.kv_bits is None else f"{self.kv_bits}-bit"
+        seqs = f"{self.sequences} x " if self.sequences > 1 else ""
+        return (
+            f"memory {format_bytes(self.total)}: backbone {format_bytes(self.backbone)} + KV "
+            f"{format_bytes(self.kv)} ({seqs}{self.context} context, {bits}) + working "
+            f"{format_bytes(self.working)} -> ring {format_bytes(self.ring)} = {self.slots} "
+            f"experts ({100 * self.slots / self.num_records:.1f}%)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "memory_bytes": self.total,
+            "backbone_bytes": self.backbone,
+            "kv_bytes": self.kv,
+            "working_bytes": self.working,
+            "ring_bytes": self.ring,
+            "ring_slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "ring_share_of_experts": round(self.slots / self.num_records, 4),
+            "context": self.context,
+            "sequences": self.sequences,
+            "kv_bits": self.kv_bits,
+        }
+
+
+def suggest_at_least(nbytes: int) -> str:
+    """A round size >= nbytes: 84.9 MB -> '85MB', 1.23 GB -> '1.3GB'."""
+    if nbytes >= 10**9:
+        return f"{math.ceil(nbytes / 10**8) / 10:g}GB"
+    return f"{max(1, math.ceil(nbytes / 10**6))}MB"
+
+
+def fit(
+    memory: int | str, needs: Parts, *, slot_bytes: int, min_slots: int, num_records: int
+) -> Fit:
+    """The ring a budget of ``memory`` leaves beside ``needs``, in whole slots (at most
+    every expert). Raises SmoeError naming the smallest budget that works (``min_slots``
+    slots: one layer's top-k) and the options that shrink the rest."""
+    total = parse_size(memory)
+    slots = min(max(total - needs.fixed, 0) // slot_bytes, num_records)
+    if slots < min_slots:
+        need = needs.fixed + min_slots * slot_bytes
+        shown = memory.strip() if isinstance(memory, str) else format_bytes(total)
+        raise SmoeError(
+            f"a memory budget of {shown} cannot hold backbone {format_bytes(needs.backbone)} "
+            f"+ KV {format_bytes(needs.kv)} ({needs.sequences} x {needs.context} context) + "
+            f"working {format_bytes(needs.working)} + {min_slots} expert slots of "
+            f"{format_bytes(slot_bytes)}: the smallest that works is --memory "
+            f"{suggest_at_least(need)} (or shrink the KV cache: --max-context, --kv-bits)"
+        )
+    return Fit(
+        total,
+        needs.backbone,
+        needs.kv,
+        needs.working,
+        slot_bytes,
+        int(slots),
+        num_records,
+        needs.context,
+        needs.sequences,
+        needs.kv_bits,
+    )

@@ -1,0 +1,208 @@
+"""`smoe plan`: the fit the engine will make, on a vault and on a source folder, the probes
+and their caches, and the forecast's model."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from smoe.bench.forecast import (
+    Shape,
+    chunk_union,
+    forecast,
+    hit_rates,
+    prediction_band,
+    routing_probabilities,
+    serial_read_s,
+)
+from smoe.bench.probe import probe_disk
+from smoe.engine import Engine
+from smoe.engine.ring_plan import budget_parts
+from smoe.util.loop import run
+from smoe.vault.convert import ConvertOptions, convert
+from tests.conftest import make_hf_checkpoint, tiny_vault
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """The disk probe's cache in this test's own directory."""
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def vault(tmp_path_factory):
+    return tiny_vault(tmp_path_factory.mktemp("plan"), seed=23)
+
+
+def _plan(run_cli, *args):
+    code, out, err = run_cli("plan", *args, "--json", "--probe-seconds", "0.3")
+    assert code == 0, err
+    return json.loads(out)
+
+
+async def _engine_fit(vault, memory):
+    async with Engine.open(vault.path, memory=memory, max_batch=1, device="cpu") as engine:
+        assert engine.fit is not None
+        return engine.fit.to_json()
+
+
+def test_plan_on_a_vault_is_the_fit_the_engine_makes(vault, run_cli):
+    m = vault.manifest
+    needs = budget_parts(vault, mx.float32, kind="unified", max_batch=1)
+    memory = needs.fixed + 6 * m.record.stride
+    plan = _plan(run_cli, vault.path, "--memory", str(memory), "--device", "cpu")
+    assert plan["kind"] == "vault" and plan["fits"] is True
+    assert plan["fit"]["ring_slots"] == 6
+    assert (
+        plan["smallest_memory_bytes"] == needs.fixed + m.shape.experts_per_token * m.record.stride
+    )
+    assert run(_engine_fit(vault, memory)) == plan["fit"]
+    f = plan["forecast"]
+    for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "reads_per_token", "cold_fill_s"):
+        low, high = f[key]
+        assert 0 <= low <= high, key
+    assert plan["compute"]["slots"] == 6 and len(plan["compute"]["decode_s"]) >= 3
+    assert plan["routing"].startswith(("vault popularity", "published locality"))
+    assert plan["context_limit"] == plan["fit"]["context"]  # the model's max fits here
+    # the second plan reuses the recorded compute and the cached disk probe
+    again = _plan(run_cli, vault.path, "--memory", str(memory), "--device", "cpu")
+    assert again["compute"]["recorded"] is True and again["disk"]["cached"] is True
+    assert again["compute"]["decode_s"] == plan["compute"]["decode_s"]
+
+
+def test_plan_names_the_smallest_budget_when_it_does_not_fit(vault, run_cli):
+    plan = _plan(run_cli, vault.path, "--memory", "50MB", "--no-compute")
+    assert plan["fits"] is False and plan["fit"] is None
+    assert f"--memory {plan['smallest_memory']}" in plan["why"]
+    assert plan["context_limit"] == 0  # not even a 256-token cache fits
+    code, out, _ = run_cli("plan", vault.path, "--memory", "50MB", "--no-compute")
+    assert code == 0 and f"does not fit: smallest budget {plan['smallest_memory']}" in out
+
+
+def test_a_shorter_context_and_quantized_kv_lower_the_smallest_budget(
+    vault, tmp_path_factory, run_cli
+):
+    full = _plan(run_cli, vault.path, "--no-compute", "--memory", "2GB")
+    short = _plan(run_cli, vault.path, "--no-compute", "--memory", "2GB", "--context", "512")
+    assert short["smallest_memory_bytes"] < full["smallest_memory_bytes"]
+    assert short["fit"]["context"] == 512
+    # heads 64 wide (the tiny vault's 16 cannot be quantized: refused in one line)
+    root = tmp_path_factory.mktemp("wide")
+    src = make_hf_checkpoint(root / "src", "qwen3_moe", seed=4, head_dim=64)
+    wide = convert(src, root / "v", ConvertOptions(dtype="float32")).path
+    plain = _plan(run_cli, wide, "--no-compute", "--memory", "2GB")
+    q8 = _plan(run_cli, wide, "--no-compute", "--memory", "2GB", "--kv-bits", "8")
+    q4 = _plan(run_cli, wide, "--no-compute", "--memory", "2GB", "--kv-bits", "4")
+    assert q8["fit"]["kv_bits"] == 8 and q4["fit"]["kv_bits"] == 4
+    # float32 K/V against a byte (or half) per element plus a float32 scale and bias per 64
+    assert q8["fit"]["kv_bytes"] * 4 == plain["fit"]["kv_bytes"] * (1 + 8 / 64)
+    assert q4["fit"]["kv_bytes"] * 4 == plain["fit"]["kv_bytes"] * (0.5 + 8 / 64)
+    assert q8["smallest_memory_bytes"] < plain["smallest_memory_bytes"]
+    code, out, err = run_cli("plan", vault.path, "--no-compute", "--kv-bits", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "multiple of 32; this model's are 16 wide: leave --kv-bits out" in err
+
+
+def test_plan_on_a_source_folder_reads_headers_only(hf_dir, tmp_path, run_cli):
+    """A HF checkpoint: the record and backbone `convert` would make (checked against the
+    vault it then makes), no speed without a vault to measure compute on."""
+    src = hf_dir("qwen3_moe")
+    plan = _plan(run_cli, src, "--memory", "2GB", "--device", "cpu", "--bits", "4")
+    assert plan["kind"] == "source" and plan["compute"] is None
+    assert "convert the model first" in plan["why_no_speed"]
+    made = convert(src, tmp_path / "v", ConvertOptions(bits=4))
+    m = made.manifest
+    assert plan["experts"]["record_bytes"] == m.record.stride
+    assert plan["experts"]["records"] == m.num_records
+    vault_plan = _plan(run_cli, made.path, "--memory", "2GB", "--device", "cpu", "--no-compute")
+    assert plan["fit"] == vault_plan["fit"]  # backbone, KV, working and ring alike
+    assert plan["disk"]["gbps"] > 0
+
+
+def test_the_disk_probe_is_cached_per_device_stride_and_workers(vault, tmp_path):
+    cache = tmp_path / "probe.json"
+    stride = vault.manifest.record.stride
+    first = probe_disk(vault.experts_path, stride, 2, seconds=0.2, cache=cache)
+    assert first["cached"] is False and 0 < first["gbps_low"] <= first["gbps_high"]
+    again = probe_disk(vault.experts_path, stride, 2, seconds=0.2, cache=cache)
+    assert again["cached"] is True and again["gbps"] == first["gbps"]
+    other = probe_disk(vault.experts_path, stride, 1, seconds=0.2, cache=cache)
+    assert other["cached"] is False  # another worker count is another measurement
+    fresh = probe_disk(vault.experts_path, stride, 2, seconds=0.2, cache=cache, fresh=True)
+    assert fresh["cached"] is False
+    assert len(json.loads(cache.read_text())) == 2
+    cache.write_text("{not json")  # a damaged cache is measured afresh, not an error
+    assert probe_disk(vault.experts_path, stride, 2, seconds=0.2, cache=cache)["cached"] is False
+
+
+def test_hit_rates_grow_with_the_ring_and_follow_popularity():
+    shape = Shape(layers=2, experts=8, top_k=2, record_bytes=1000)
+    counts = np.array([[8, 4, 2, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], float)
+    q, source = routing_probabilities(shape, counts)
+    assert source.startswith("vault popularity") and np.allclose(q.sum(1), 2)
+    # the 3 likeliest experts: 2*8/16, 2*4/16 of layer 0 and one 2/8 of layer 1 (of 4 picks)
+    assert hit_rates(shape, q, 3)[0] == pytest.approx((1 + 0.5 + 0.25) / 4)
+    lows = [hit_rates(shape, q, s)[0] for s in range(2, 17)]
+    assert lows == sorted(lows) and hit_rates(shape, q, 16) == (1.0, 1.0)
+    published, source = routing_probabilities(shape, None)
+    assert source.startswith("published locality") and np.allclose(published.sum(1), 2)
+    # a chunk's union: 64 tokens route to nearly every expert a uniform layer has
+    assert chunk_union(np.full((1, 8), 0.25), 64) == pytest.approx(8 * (1 - 0.75**64))
+
+
+def test_the_decode_band_orders_and_bounds_its_parts():
+    shape = Shape(layers=2, experts=8, top_k=2, record_bytes=10**6)
+    q, _ = routing_probabilities(shape, None)
+    disk = {"gbps_low": 1.0, "gbps": 1.5, "gbps_high": 2.0}
+    compute = {"decode_s": [0.010, 0.011, 0.012], "prefill_token_s": [0.001, 0.002]}
+    c_lo, c_hi = prediction_band(compute["decode_s"])
+    f = forecast(shape, 4, q, disk, compute)
+    low, high = f["decode_tok_s"]
+    reads_lo, reads_hi = f["reads_per_token"]
+    assert high == pytest.approx(1 / max(c_lo, reads_lo * 1e6 / 2e9), rel=1e-3)
+    # slow: each layer's reads (< 4 here) wait one round of 4 in flight: 4 MB at 1 GB/s
+    assert reads_hi / 2 < 4
+    assert low == pytest.approx(1 / (c_hi + 2 * 4 * 1e6 / 1e9), rel=1e-3)
+    every = forecast(shape, 16, q, disk, compute)  # every expert resident: compute alone
+    assert every["reads_per_token"] == [0.0, 0.0]
+    assert every["decode_tok_s"] == [round(1 / c_hi, 3), round(1 / c_lo, 3)]
+    assert every["cold_fill_s"] == [round(16e6 / 2e9, 4), round(16e6 / 1e9, 4)]
+
+
+def test_the_compute_band_is_a_95_percent_prediction_interval():
+    """Against scipy's t distribution: mean +- t(n-1) sd sqrt(1 + 1/n), at least the range."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 8, 10):
+        values = list(rng.normal(10.0, 1.0, n))
+        mean, sd = np.mean(values), np.std(values, ddof=1)
+        half = stats.t.ppf(0.975, n - 1) * sd * np.sqrt(1 + 1 / n)
+        low, high = prediction_band(values)
+        assert low == pytest.approx(max(0.0, min(min(values), mean - half)), rel=2e-3)
+        assert high == pytest.approx(max(max(values), mean + half), rel=2e-3)
+    assert prediction_band([3.0]) == (3.0, 3.0)
+    # a new draw from the same distribution falls inside about 95% of the time
+    inside = 0
+    for _ in range(2000):
+        sample = rng.normal(5.0, 1.0, 8)
+        low, high = prediction_band(list(sample))
+        inside += low <= rng.normal(5.0, 1.0) <= high
+    assert 0.93 < inside / 2000 < 0.985
+
+
+def test_a_layer_waits_for_its_reads_in_rounds_of_the_workers():
+    assert serial_read_s(0, 2, 4, 10**6, 1e9) == 0
+    assert serial_read_s(8, 2, 4, 10**6, 1e9) == pytest.approx(2 * 1 * 4e-3)  # 4 per layer
+    assert serial_read_s(9, 2, 4, 10**6, 1e9) == pytest.approx(2 * 2 * 4e-3)  # 4.5: 2 rounds
+    assert serial_read_s(8, 2, 1, 10**6, 1e9) == pytest.approx(8e-3)  # one at a time
+
+
+def test_plan_refuses_bad_options_in_one_line(vault, run_cli):
+    code, _, err = run_cli("plan", vault.path, "--bits", "4")
+    assert code == 2 and "--bits is for a source folder" in err and "Traceback" not in err
+    code, _, err = run_cli("plan", vault.path / "nope")
+    assert code == 2 and "Traceback" not in err
