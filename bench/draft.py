@@ -1,6 +1,7 @@
 """Prompt-lookup drafting (--draft ngram) against plain decode, greedy, on one vault.
 
-    python bench/draft.py VAULT [--memory 25%] [--tokens 64] [--trials 2] [--draft-tokens 4]
+    python bench/draft.py VAULT [--ring 25%] [--device cpu|gpu] [--tokens 64] [--trials 2]
+        [--draft-tokens 4] [--modes plain,ngram,oracle,wrong]
 
 Two tasks: "repeat", a prompt that repeats a passage (the KJV held-out text with a
 tokenizer; else 16 random ids three times), continued from the passage's start; "free", a
@@ -11,8 +12,8 @@ controlled drafters: "oracle" drafts the plain run's own continuation and is nev
 off (what verifying k accepted tokens costs: the most drafting can gain here), "wrong"
 never drafts what the model says (the switch-off at work). Reports per task and mode:
 decode tok/s, expert bytes read per decoded token, and the drafter's counters (verify
-passes, acceptance, plain steps, switch-offs). ``--memory N%`` is a share of the vault's
-experts. Prints JSON.
+passes, acceptance, plain steps, switch-offs). ``--ring`` sizes the ring alone, as `smoe
+bench`'s budgets do (a share of the experts like 25%, 'all', or a size). Prints JSON.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 
 import smoe.util.loop
+from smoe.bench.generate import ring_options
 from smoe.compute.draft import DraftGovernor, Drafting
 from smoe.engine import Engine
 from smoe.vault.format import Vault
@@ -47,13 +49,6 @@ def prompts(vault: Vault, engine_tokenizer) -> dict[str, list[int]]:
     vocab = vault.manifest.shape.vocab_size
     piece = rng.sample(range(vocab), 16)
     return {"repeat": piece * 3 + piece[:4], "free": rng.sample(range(vocab), 48)}
-
-
-def ring_budget(vault: Vault, memory: str | None) -> str | None:
-    if memory is None or not memory.endswith("%"):
-        return memory
-    m = vault.manifest
-    return str(int(m.num_records * m.record.stride * float(memory[:-1]) / 100))
 
 
 class Oracle:
@@ -81,9 +76,9 @@ def drafting_for(mode: str, truth: list[int], vocab: int, k: int) -> Drafting | 
     return Drafting(Oracle(truth, vocab, wrong=True), k)
 
 
-async def one(vault: str, memory: str | None, ids: list[int], tokens: int, drafting):
+async def one(vault: str, ring: dict, ids: list[int], tokens: int, drafting):
     options = {"draft": "ngram"} if drafting is not None else {}
-    async with Engine.open(vault, memory=memory, **options) as engine:
+    async with Engine.open(vault, **ring, **options) as engine:
         engine.runner.drafting = drafting  # the engine's drafted steps use it
         out, stats = [], None
         async for event in engine.generate(ids, max_tokens=tokens, stop_at_eos=False):
@@ -104,7 +99,8 @@ async def one(vault: str, memory: str | None, ids: list[int], tokens: int, draft
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("vault")
-    p.add_argument("--memory", default="25%")
+    p.add_argument("--ring", default="25%", help="the ring: a share of the experts, or a size")
+    p.add_argument("--device", default=None, choices=["cpu", "gpu"])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--draft-tokens", type=int, default=4)
@@ -112,11 +108,13 @@ async def main() -> None:
     p.add_argument("--modes", default="plain,ngram", help="also: oracle, wrong (docstring)")
     args = p.parse_args()
     vault = Vault.open(args.vault)
-    memory = ring_budget(vault, args.memory)
+    ring = {**ring_options(vault, args.ring), "device": args.device}
     vocab = vault.manifest.shape.vocab_size
-    async with Engine.open(args.vault, memory=memory) as probe:
+    async with Engine.open(args.vault, **ring) as probe:
         tasks = prompts(vault, probe.tokenizer)
-    report: dict = {"vault": args.vault, "memory": args.memory, "ring_bytes": memory}
+        dtype = str(probe.dtype)
+    report: dict = {"vault": args.vault, "ring": args.ring, "slots": ring.get("slots")}
+    report.update(device=args.device or "default", dtype=dtype)
     report.update(tokens=args.tokens, draft_tokens=args.draft_tokens, tasks={})
     for task in args.tasks.split(","):
         ids = tasks[task]
@@ -127,7 +125,7 @@ async def main() -> None:
         for _ in range(args.trials):
             for mode in modes:  # alternating: plain first, whose output the oracle drafts
                 drafting = drafting_for(mode, truth, vocab, args.draft_tokens)
-                out, row = await one(args.vault, memory, ids, args.tokens, drafting)
+                out, row = await one(args.vault, ring, ids, args.tokens, drafting)
                 print(task, mode, json.dumps(row), file=sys.stderr, flush=True)  # progress
                 if mode == "plain":
                     truth = [*ids, *out]

@@ -2,7 +2,7 @@
 speed for a float cache, 8 and 4 bits, alternated in rounds within one run (JSON).
 
     python bench/kv_bits.py VAULT [--context 1800] [--max-tokens 32] [--rounds 3]
-        [--memory 100%] [--device cpu|gpu]
+        [--ring all] [--device cpu|gpu]
 
 Each round opens one engine per setting (in rotating order) and generates greedily after a
 ``--context``-token prompt of random ids; the medians over rounds are reported, and the
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.util.loop import run
 
@@ -26,7 +27,8 @@ SETTINGS: list[int | None] = [None, 8, 4]
 
 
 async def one(vault: str, bits: int | None, prompt: list[int], args: argparse.Namespace) -> Any:
-    async with Engine.open(vault, memory=args.memory, kv_bits=bits, device=args.device) as engine:
+    ring = ring_options(vault, args.ring)  # the same ring for every setting
+    async with Engine.open(vault, **ring, kv_bits=bits, device=args.device) as engine:
         async for ev in engine.generate(
             prompt, max_tokens=args.max_tokens, temperature=0.0, stop_at_eos=False
         ):
@@ -56,7 +58,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "context": args.context,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "memory": args.memory,
+        "ring": args.ring,
         "device": args.device or "default",
         "settings": {},
     }
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1800)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--memory", default=None)
+    p.add_argument("--ring", default=None, help="ring size: a share of the experts, all, a size")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     json.dump(run(main_async(args)), sys.stdout, indent=1)

@@ -1,6 +1,6 @@
 """The same greedy chat request through `smoe serve`'s three APIs, measured in one run.
 
-    python bench/serve_dialects.py VAULT [--rounds 6] [--max-tokens 32] [--memory SIZE]
+    python bench/serve_dialects.py VAULT [--rounds 6] [--max-tokens 32] [--ring SHARE]
 
 Starts the server in-process on a free port and streams one chat request per API
 (OpenAI /v1/chat/completions, Anthropic /v1/messages, Ollama /api/chat) over raw HTTP
@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 
 import smoe.util.loop
+from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 
@@ -73,9 +74,9 @@ async def main() -> None:
     p.add_argument("vault")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--memory", default=None)
+    p.add_argument("--ring", default=None, help="ring size: a share of the experts, all, a size")
     args = p.parse_args()
-    async with Engine.open(args.vault, memory=args.memory) as engine:
+    async with Engine.open(args.vault, **ring_options(args.vault, args.ring)) as engine:
         loop = asyncio.get_running_loop()
         port = loop.create_future()
         options = ServerOptions(prewarm_when_idle=False, cached_sequences=0)

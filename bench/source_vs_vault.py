@@ -1,12 +1,12 @@
 """Generation straight from a download vs from its vault: same model, same budget, one run.
 
-    python bench/source_vs_vault.py WORKDIR [--memory 1GB] [--tokens 24] [--rounds 3]
+    python bench/source_vs_vault.py WORKDIR [--ring 1GB] [--tokens 24] [--rounds 3]
 
 WORKDIR/src is a Qwen3-30B-A3B-geometry checkpoint (`smoe synth --preset qwen3-30b-a3b`:
 128 experts of 9.4 MB in bf16, top-8, 2 layers), made if missing; WORKDIR/vault is its
 `smoe convert --bits 16` (the same bytes, one record per expert), made if missing. Each
 round generates the same greedy tokens from both, alternating which goes first, each on a
-fresh engine with the same --memory budget. Before that, the readers alone read every
+fresh engine with the same ring (--ring: its size, a share of the experts or 'all'). Before that, the readers alone read every
 expert once per round (GB/s, alternating). Prints one JSON object: per side the median
 decode and prefill tok/s over the rounds, the reads per expert (extents of the source's
 index; 1 for a vault record), bytes read per decoded token, the share of decode waiting
@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
+from smoe.vault.format import Vault
 from smoe.vault.source import Source
 
 
@@ -43,8 +45,8 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return src, vault
 
 
-async def one_run(path: Path, prompt: list[int], tokens: int, memory: str) -> dict[str, Any]:
-    async with Engine.open(path, memory=memory) as engine:
+async def one_run(path: Path, prompt: list[int], tokens: int, slots: int) -> dict[str, Any]:
+    async with Engine.open(path, slots=slots) as engine:
         out: list[int] = []
         stats = None
         async for ev in engine.generate(prompt, max_tokens=tokens, stop_at_eos=False):
@@ -155,7 +157,7 @@ async def io_only(src: Path, vault_path: Path, rounds: int) -> dict[str, Any]:
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("work", type=Path)
-    p.add_argument("--memory", default="1GB", help="the ring's budget, the same for both")
+    p.add_argument("--ring", default="1GB", help="the ring's size, the same for both")
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
@@ -165,11 +167,12 @@ async def main() -> None:
     io = await io_only(src, vault, args.rounds)
     print(f"reads alone: {io}", file=sys.stderr)
     prompt = [(7 * i + 3) % 4000 + 2 for i in range(args.prompt_tokens)]
+    slots = budget_slots(Vault.open(vault), args.ring)  # in the vault's records, for both
     runs: dict[str, list[dict[str, Any]]] = {"source": [], "vault": []}
     for r in range(args.rounds):
         order = [("source", src), ("vault", vault)]
         for name, path in order if r % 2 == 0 else order[::-1]:
-            runs[name].append(await one_run(path, prompt, args.tokens, args.memory))
+            runs[name].append(await one_run(path, prompt, args.tokens, slots))
             last = runs[name][-1]
             print(
                 f"round {r}: {name} {last['decode_tok_s']:.2f} tok/s, "
@@ -203,7 +206,7 @@ async def main() -> None:
                 "model": "qwen3_moe, Qwen3-30B-A3B expert geometry, 2 layers, bf16 experts",
                 "record_bytes": index.layout.size,
                 "shards": len(index.files),
-                "memory": args.memory,
+                "ring": args.ring,
                 "tokens": args.tokens,
                 "prompt_tokens": args.prompt_tokens,
                 "rounds": args.rounds,

@@ -242,11 +242,11 @@ def kjv_prompt(demo_path) -> list[int]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("memory", ["150KB", "1MB", None], ids=["min", "small", "all"])
-async def test_engine_greedy_with_drafts_equals_plain_on_the_demo(demo, memory):
+@pytest.mark.parametrize("slots", [4, 30, None], ids=["min", "small", "all"])
+async def test_engine_greedy_with_drafts_equals_plain_on_the_demo(demo, slots):
     ids = kjv_prompt(demo)
-    want, _ = await generate(demo, ids, 48, memory=memory)
-    got, stats = await generate(demo, ids, 48, memory=memory, draft="ngram")
+    want, _ = await generate(demo, ids, 48, slots=slots)
+    got, stats = await generate(demo, ids, 48, slots=slots, draft="ngram")
     assert got == want
     assert stats["verify_passes"] > 0 and stats["accepted"] > 0
 
@@ -409,3 +409,15 @@ async def test_the_batcher_drafts_for_a_lone_request_and_steps_a_batch_plainly()
     assert got_c == got_d == [("token", 100), ("token", 101), ("end", "length")]
     assert "step c,d" in runner.log and calls[-1][0] == "b"  # batched: no drafts
     await batcher.close()
+
+
+def test_a_gpu_refuses_drafting_before_loading():
+    """Drafting is exact where a verify pass's rows compute as single-token decode does
+    (MLX's CPU kernels); GPU kernels choose by row count, so a GPU refuses --draft."""
+    from smoe.engine.ring_plan import Device, check_draft
+
+    check_draft("ngram", Device(gpu=False, discrete=False))
+    check_draft(None, Device(gpu=True, discrete=True))
+    for gpu in (Device(gpu=True, discrete=True), Device(gpu=True, discrete=False)):
+        with pytest.raises(SmoeError, match="--draft is exact only on the CPU"):
+            check_draft("ngram", gpu)

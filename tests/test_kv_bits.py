@@ -225,3 +225,15 @@ def test_greedy_drafts_over_a_quantized_cache_are_plain_greedy_tokens(model, bit
     assert type(seq.cache[0]).__name__ == "QuantizedKVCache" and seq.cache[0].bits == bits
     stats = runner.drafting.stats
     assert stats.verify_passes > 0 and stats.accepted > 0
+
+
+def test_a_cuda_gpu_refuses_kv_bits_in_one_line():
+    """MLX's CUDA backend cannot run attention over a quantized cache (tests/test_gpu.py
+    shows mlx-lm failing there); Apple's unified GPU and the CPU can."""
+    from smoe.engine.ring_plan import Device, check_kv_bits
+
+    check_kv_bits(8, Device(gpu=False, discrete=False))
+    check_kv_bits(4, Device(gpu=True, discrete=False))
+    check_kv_bits(None, Device(gpu=True, discrete=True))
+    with pytest.raises(SmoeError, match="--kv-bits does not run on a CUDA GPU"):
+        check_kv_bits(8, Device(gpu=True, discrete=True))

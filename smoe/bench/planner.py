@@ -30,6 +30,7 @@ from smoe.engine.budget import (
 from smoe.engine.ring_plan import (
     Device,
     available_memory,
+    check_kv_bits,
     choose_device,
     current_device,
     ring_kind,
@@ -186,6 +187,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         raise SmoeError(f"--kv-bits must be 4 or 8, not {o.kv_bits}")
     mlx_device = choose_device(o.device)
     device = current_device(mlx_device)
+    check_kv_bits(o.kv_bits, device)
     device_name = "gpu" if mlx_device == mx.gpu else "cpu"
     dtype_name = o.dtype or ("bfloat16" if device_name == "gpu" else "float32")
     dtype = getattr(mx, dtype_name)

@@ -36,7 +36,14 @@ from smoe.engine.mirror import Leader, Request
 from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
-from smoe.engine.ring_plan import RingPlan, choose_device, current_device, plan_ring
+from smoe.engine.ring_plan import (
+    RingPlan,
+    check_draft,
+    check_kv_bits,
+    choose_device,
+    current_device,
+    plan_ring,
+)
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
@@ -131,6 +138,8 @@ class Engine(GroupAPI):
         self.kv_group_size = kv_group_size(self.vault.config()) if o.kv_bits else 64
         self._device = choose_device(o.device)
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
+        check_kv_bits(o.kv_bits, current_device(self._device))
+        check_draft(o.draft, current_device(self._device))
         return plan_ring(
             self.vault,
             requested=o.ring,
@@ -307,6 +316,10 @@ class Engine(GroupAPI):
         # The model and its caches go now, not whenever a user's reference to us does.
         for name in ("runner", "batcher"):
             self.__dict__.pop(name, None)
+        if hasattr(self, "_device"):  # give the freed buffers back (a GPU's to other processes)
+            import mlx.core as mx
+
+            mx.clear_cache()
 
     # ---------------------------------------------------------------- learning cache
     def prewarm(self) -> int:

@@ -156,15 +156,42 @@ def choose_device(name: str | None) -> Any:
     return device
 
 
+def check_kv_bits(kv_bits: int | None, device: Device) -> None:
+    """--kv-bits needs mlx-lm's quantized attention: MLX 0.32's CUDA backend has no
+    quantized matmul for a prompt chunk over a quantized cache (measured: mlx-lm's own
+    generate_step fails there too; tests/test_gpu.py), so a CUDA GPU refuses it up front."""
+    if kv_bits is not None and device.discrete:
+        raise SmoeError(
+            "--kv-bits does not run on a CUDA GPU: MLX's CUDA backend has no kernel for "
+            "attention over a quantized KV cache; leave --kv-bits out there (it runs on the "
+            "CPU and on Apple GPUs)"
+        )
+
+
+def check_draft(draft: str | None, device: Device) -> None:
+    """--draft is lossless where a verify pass's row j has plain decode's bits: MLX's CPU
+    kernels (tests/test_draft.py). GPU kernels pick their algorithm by the call's row count
+    (docs/gpu.md), and on an H200 drafted greedy tokens left plain decoding's on the demo
+    (docs/draft.md), so a GPU refuses drafting rather than change the output."""
+    if draft is not None and device.gpu:
+        raise SmoeError(
+            "--draft is exact only on the CPU: on a GPU a verify pass's kernels round "
+            "differently from single-token decode and can change the tokens; leave --draft "
+            "out there, or add --device cpu"
+        )
+
+
 def current_device(device: Any) -> Device:
-    """The Device of an MLX device (reads the free memory of a CUDA GPU)."""
+    """The Device of an MLX device (reads the free memory of a CUDA GPU: what the driver
+    reports free plus MLX's cache of freed buffers, which this process reuses; a closed
+    engine's ring sits there until the cache is cleared)."""
     import mlx.core as mx
 
     if device != mx.gpu:
         return Device(gpu=False, discrete=False)
     if mx.metal.is_available():
         return Device(gpu=True, discrete=False)
-    free = int(mx.device_info(mx.gpu).get("free_memory", 0))
+    free = int(mx.device_info(mx.gpu).get("free_memory", 0)) + int(mx.get_cache_memory())
     return Device(gpu=True, discrete=True, free_memory=free)
 
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On the GPU machine: issue 17's figures. STEPS picks what runs (default all), in order:
+#   build   the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
+#   test    --kv-bits on CUDA: refused, as mlx-lm cannot run it there (tests/test_gpu.py)
+#   plan    smoe plan's forecast against measured (bench/plan_check.py) at 3 budgets
+#   draft   --draft ngram / oracle / wrong against plain decode (bench/draft.py)
+#   kvbits  KV bytes and speed at a long context, float / 8 / 4 bits (bench/kv_bits.py; CPU
+#           and Apple only: refused on CUDA, see docs/performance.md)
+#   source  running from the shards against the vault (bench/source_vs_vault.py)
+# JSON goes to $OUT (plan_check.json, draft_q235.json, draft_demo.json, kv_bits.json,
+# source_vs_vault.json), the log to $OUT/issue17.log.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DATA=${DATA:-/tmp/data}; mkdir -p "$DATA"
+V=$DATA/q235-16
+STEPS=${STEPS:-build test plan draft kvbits source}
+export SMOE_CACHE=$DATA/cache
+smoe() { python3 -m smoe.cli "$@"; }
+{
+for step in $STEPS; do
+  echo "== $step $(date +%T)"
+  case $step in
+  build)
+    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/phase_b.sh ;;
+  test)
+    SMOE_GPU_VAULT=$V python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+      -k "kv_bits" 2>&1 | tail -5 ;;
+  plan)
+    smoe plan "$V" --device gpu --no-compute --json > "$OUT/plan_q235.json"
+    budgets=$(python3 - "$OUT/plan_q235.json" <<'EOF'
+import json, sys
+p = json.load(open(sys.argv[1]))
+lo, every = p["smallest_memory_bytes"], p["memory_for_every_expert"]
+every_b = float(every[:-2]) * (1e9 if every.endswith("GB") else 1e6)
+# a small ring, a ring of about half the experts, every expert
+print(",".join(f"{b / 1e9:.1f}GB" for b in (lo + 1e9, (lo + every_b) / 2, every_b + 0.2e9)))
+EOF
+)
+    echo "budgets $budgets"
+    python3 bench/plan_check.py "$V" --memory "$budgets" --device gpu --tokens ${PLAN_TOKENS:-24} \
+      --repeats ${PLAN_REPEATS:-3} --chunks ${PLAN_CHUNKS:-2} > "$OUT/plan_check.json" ;;
+  draft)
+    python3 bench/draft.py "$V" --device gpu --ring ${DRAFT_RING:-25%} --tokens ${DRAFT_TOKENS:-48} \
+      --trials ${DRAFT_TRIALS:-2} --modes plain,ngram,oracle,wrong > "$OUT/draft_q235.json"
+    demo=$(python3 -c 'from smoe.chat.demo import demo_vault; print(demo_vault())')
+    python3 bench/draft.py "$demo" --device gpu --ring 25% --tokens 96 --trials 2 \
+      --modes plain,ngram,oracle,wrong > "$OUT/draft_demo.json" ;;
+  kvbits)
+    python3 bench/kv_bits.py "$V" --device gpu --ring all --context ${KV_CONTEXT:-4096} \
+      --max-tokens 32 --rounds ${KV_ROUNDS:-2} > "$OUT/kv_bits.json" ;;
+  source)
+    python3 bench/source_vs_vault.py "$DATA/q30" --rounds 4 --tokens 24 > "$OUT/source_vs_vault.json" ;;
+  esac
+done
+echo "== done $(date +%T)"
+} 2>&1 | tee -a "$OUT/issue17.log"

@@ -1,0 +1,98 @@
+"""A long context inside a hard memory limit (issue 17): `smoe plan` names the smallest
+budget for a 1024-token context with an 8-bit KV cache; `smoe generate` at exactly that
+--memory, run inside a memory cgroup of exactly that size (a container's hard limit, swap
+off), prefills a 1000-token prompt and decodes without being OOM-killed, its peak RSS
+within the budget. The same budget with a float cache is refused before anything loads,
+naming the larger budget it would need."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smoe.vault.convert import ConvertOptions, convert
+from tests.cgroup import limited
+from tests.conftest import make_hf_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 1024
+PROMPT = np.random.default_rng(5).integers(2, 256, 1000).tolist()
+PEAK_RSS = (  # run the CLI, then print this process's own peak resident set (VmHWM)
+    "import sys\n"
+    "from smoe.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+    "print('PEAK', int(hwm.split()[1]) * 1024)\n"
+    "sys.exit(rc)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def vault(tmp_path_factory):
+    """KV-heavy for its size: 8 layers of 16 KV heads 128 wide, 128 KB of float32 K and V
+    per token (134 MB at 1024 tokens, 38 MB at 8 bits; MLX's CPU attention is what makes
+    a longer prompt slow to test)."""
+    root = tmp_path_factory.mktemp("longctx")
+    src = make_hf_checkpoint(
+        root / "src",
+        "qwen3_moe",
+        seed=9,
+        hidden_size=256,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        num_hidden_layers=8,
+        max_position_embeddings=CONTEXT,
+    )
+    return convert(src, root / "v", ConvertOptions(dtype="float32")).path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "smoe.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def _smallest(vault: Path, *kv: str) -> int:
+    r = _cli("plan", str(vault), "--no-compute", "--json", "--context", str(CONTEXT), *kv)
+    assert r.returncode == 0, r.stderr
+    return int(json.loads(r.stdout)["smallest_memory_bytes"])
+
+
+def test_a_long_context_runs_inside_a_container_of_its_budget(vault):
+    smallest_q8, smallest_float = _smallest(vault, "--kv-bits", "8"), _smallest(vault)
+    assert smallest_float - smallest_q8 > 90 * 10**6  # the float cache's extra 96 MB
+
+    generate = ["generate", str(vault), "--prompt-ids", ",".join(map(str, PROMPT))]
+    generate += ["--max-tokens", "8", "--max-context", str(CONTEXT), "--json"]
+    generate += ["--memory", str(smallest_q8)]
+    refused = _cli(*generate)  # a float cache at the 8-bit budget
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"smallest that works is --memory {smallest_float // 10**6 + 1}MB" in refused.stderr
+
+    run = limited(
+        [sys.executable, "-c", PEAK_RSS, *generate, "--kv-bits", "8"],
+        smallest_q8,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    if run is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a memory controller)")
+    r = run.result
+    assert run.oom_kills == 0 and r.returncode == 0, (run, r.stderr[-2000:])
+    report = json.loads(r.stdout.split("PEAK")[0].strip().splitlines()[-1])
+    assert report["stats"]["prompt_tokens"] == len(PROMPT)
+    assert len(report["tokens"]) == 8
+    peak = int(r.stdout.split("PEAK")[-1])
+    assert peak <= smallest_q8, f"peak RSS {peak} above the budget {smallest_q8}"
+    print(f"budget {smallest_q8}, peak RSS {peak}, cgroup peak {run.peak}")
