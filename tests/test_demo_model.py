@@ -71,7 +71,7 @@ def tokens_of(tokenizer, text: str) -> list[int]:
     return [tokenizer.convert_tokens_to_ids("<|endoftext|>"), *tokenizer.encode(text)]
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_held_out_text_scores_far_better_than_random_weights(demo, tmp_path):
     from transformers import AutoTokenizer
 
@@ -102,7 +102,7 @@ async def test_the_greedy_reply_is_made_of_the_books_words(demo):
     assert known >= 0.9, (known, reply)
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_the_demo_runs_bit_identical_to_mlx_lm_at_every_ring_size(demo, tmp_path):
     vault, tokenizer = demo
     ref = reference_model(vault, tmp_path / "mlx")

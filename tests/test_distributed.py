@@ -100,7 +100,7 @@ def vault(tmp_path_factory):
     return tiny_vault(tmp_path_factory.mktemp("dist"), seed=11)
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_a_group_of_one_computes_what_the_plain_engine_does(vault):
     """The sharded path (every expert owned, the sum an identity) on the same bits."""
     prompt = _prompt(40, seed=4)
@@ -178,7 +178,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int
         ("qwen3_moe", True),  # each layer in one call with the others' rows zeroed (the GPU's way)
     ],
 )
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_two_ranks_give_the_bits_of_one_process_and_of_mlx_lm(arch, whole, hf_dir, tmp_path):
     vault = convert(hf_dir(arch), tmp_path / "v", ConvertOptions(dtype="float32"))
     ref = reference_model(vault, tmp_path / "mlx")

@@ -241,7 +241,7 @@ def kjv_prompt(demo_path) -> list[int]:
     return list(load_tokenizer(demo_path).encode(f"{passage} {passage} {opening}"))
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("slots", [4, 30, None], ids=["min", "small", "all"])
 async def test_engine_greedy_with_drafts_equals_plain_on_the_demo(demo, slots):
     ids = kjv_prompt(demo)
@@ -251,7 +251,7 @@ async def test_engine_greedy_with_drafts_equals_plain_on_the_demo(demo, slots):
     assert stats["verify_passes"] > 0 and stats["accepted"] > 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("slots", [8, None], ids=["small-ring", "all"])
 async def test_engine_greedy_with_drafts_equals_plain_on_a_tiny_checkpoint(vault, slots):
     ids = [3, 17, 40, 9, 22, 61, 5, 12] * 4
@@ -260,7 +260,7 @@ async def test_engine_greedy_with_drafts_equals_plain_on_a_tiny_checkpoint(vault
     assert got == want and stats["verify_passes"] > 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_a_verify_pass_asks_for_each_needed_expert_once(vault):
     """Per MoE layer, the verify pass requests the union of its tokens' experts (each a
     hit or a read), not one request per token's expert."""
@@ -315,7 +315,7 @@ class Ticks:
         return self.now
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_drafting_that_does_not_pay_is_switched_off(vault):
     ids = [3, 17, 40, 9, 22, 61, 5, 12]
     want, _ = await generate(vault.path, ids, 40)
@@ -336,7 +336,7 @@ async def test_drafting_that_does_not_pay_is_switched_off(vault):
     assert s.switch_offs == 1 and s.verify_passes == 6 and s.plain_steps == 34
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 async def test_drafting_that_pays_stays_on(vault):
     ids = [3, 17, 40, 9, 22, 61, 5, 12]
     want, _ = await generate(vault.path, ids, 40)

@@ -21,7 +21,6 @@ from aiohttp import web
 from smoe import __version__
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Format, Usage
-from smoe.serve.describe import show
 from smoe.serve.tools import ToolCall
 from smoe.serve.validate import (
     INT64,
@@ -30,6 +29,7 @@ from smoe.serve.validate import (
     check_stop,
     check_tools,
     engine_fields,
+    message_role,
     required,
     validate_fields,
     wrong_type,
@@ -54,16 +54,7 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any
     out = []
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
-        if not isinstance(message, dict):
-            raise wrong_type(where, ("object",), message)
-        role = required(message, where, "role", ("string",))
-        if role not in ROLES:
-            raise ApiError(
-                400,
-                f"Invalid '{where}.role': expected one of {', '.join(ROLES)}, "
-                f"but got {show(role)} instead.",
-                param=f"{where}.role",
-            )
+        role = message_role(where, message)
         if message.get("images"):
             raise ApiError(
                 400,

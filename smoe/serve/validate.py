@@ -108,17 +108,7 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any
     turns = []
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
-        if not isinstance(message, dict):
-            raise _wrong_type(where, ("object",), message)
-        role = _required(message, where, "role", ("string",))
-        if role not in ROLES:
-            raise ApiError(
-                400,
-                f"Invalid '{where}.role': expected one of {', '.join(ROLES)}, "
-                f"but got {show(role)} instead.",
-                param=f"{where}.role",
-                code="invalid_value",
-            )
+        role = message_role(where, message)
         calls = message.get("tool_calls") if role == "assistant" else None
         if calls is not None and message.get("content") is None:
             content = ""  # a turn of tool calls only
@@ -488,6 +478,23 @@ def check_text(name: str, value: Any, limits: Limits) -> str:
     if isinstance(value, str):
         return value
     return _text_parts(name, value)
+
+
+def message_role(where: str, message: Any) -> str:
+    """The role of the chat message at ``where``: an object whose ``role`` is one of
+    ROLES; ApiError 400 if not (OpenAI's and Ollama's messages alike)."""
+    if not isinstance(message, dict):
+        raise _wrong_type(where, ("object",), message)
+    role: str = _required(message, where, "role", ("string",))
+    if role not in ROLES:
+        raise ApiError(
+            400,
+            f"Invalid '{where}.role': expected one of {', '.join(ROLES)}, "
+            f"but got {show(role)} instead.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    return role
 
 
 def wrong_type(where: str, kinds: tuple[str, ...], value: Any) -> ApiError:
