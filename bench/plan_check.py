@@ -97,7 +97,8 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             requests=args.repeats + 1,
             chunks=args.chunks,
         )
-        both = {key: plan["compute"][key] + after[key] for key in ("decode_s", "prefill_token_s")}
+        keys = ("decode_s", "prefill_token_s", "decode_hit_rate", "decode_reads_per_token")
+        both = {key: plan["compute"].get(key, []) + after.get(key, []) for key in keys}
         subject = open_subject(vault.path, None)
         q, _ = routing_probabilities(subject.shape, subject.popularity)
         f = forecast(subject.shape, got["ring_slots"], q, plan["disk"], both, 64, args.workers)

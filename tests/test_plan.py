@@ -172,6 +172,30 @@ def test_the_decode_band_orders_and_bounds_its_parts():
     assert every["cold_fill_s"] == [round(16e6 / 2e9, 4), round(16e6 / 1e9, 4)]
 
 
+def test_the_probes_measured_hit_rates_widen_the_band():
+    """A decode that repeats itself (a random-weight model's greedy loop: 99.5% hits at half
+    the experts on the H200, docs/performance.md) beats the popularity curve; the probe
+    measured it at this ring, so the band takes it in, and only ever widens."""
+    shape = Shape(layers=2, experts=8, top_k=2, record_bytes=10**8)  # reads dominate
+    q, _ = routing_probabilities(shape, None)
+    disk = {"gbps_low": 1.0, "gbps": 1.5, "gbps_high": 2.0}
+    compute = {"decode_s": [0.010, 0.011, 0.012], "prefill_token_s": [0.001, 0.002]}
+    modelled = forecast(shape, 8, q, disk, compute)
+    looping = forecast(shape, 8, q, disk, compute | {"decode_hit_rate": [0.99, 1.0]})
+    assert modelled["hit_rate"][1] < 0.99 and looping["hit_rate"][1] == 1.0
+    assert looping["hit_rate"][0] == modelled["hit_rate"][0]  # a min above the model's
+    assert looping["decode_tok_s"][1] > modelled["decode_tok_s"][1]
+    assert looping["decode_tok_s"][0] == modelled["decode_tok_s"][0]
+    one = forecast(shape, 8, q, disk, compute, workers=1)  # reads one at a time
+    cold = forecast(shape, 8, q, disk, compute | {"decode_hit_rate": [0.1]}, workers=1)
+    assert cold["hit_rate"][0] == 0.1 and cold["decode_tok_s"][0] < one["decode_tok_s"][0]
+    # measured reads per token (misses and lookahead guesses) widen the reads band alike
+    few = forecast(shape, 8, q, disk, compute | {"decode_reads_per_token": [0.05, 0.2]})
+    assert few["reads_per_token"] == [0.05, modelled["reads_per_token"][1]]
+    c_lo, _ = prediction_band(compute["decode_s"])
+    assert few["decode_tok_s"][1] == round(1 / max(c_lo, 0.05 * 1e8 / 2e9), 3)
+
+
 def test_the_compute_band_is_a_95_percent_prediction_interval():
     """Against scipy's t distribution: mean +- t(n-1) sd sqrt(1 + 1/n), at least the range."""
     from scipy import stats

@@ -447,3 +447,28 @@ def test_generate_from_a_download_with_its_tokenizer(tmp_path, run_cli):
         assert code == 0, err
         outs.append(json.loads(out)["tokens"])
     assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
+async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(sources):
+    """--memory on a download counts the ShardReader's bounce buffers beside the ring: the
+    budget's working part grows by exactly what the reader allocates."""
+    import mlx.core as mx
+
+    from smoe.engine.ring_plan import budget_parts
+    from smoe.io.shard_reader import bounce_bytes
+    from smoe.vault.source import open_model
+
+    folder, vault, _ = sources("qwen3_moe")
+    source = open_model(folder)
+
+    def working(model, kind):
+        return budget_parts(model, mx.float32, kind=kind, max_batch=1, workers=3).working
+
+    budget = working(source, "staged") + 60 * 10**6
+    async with Engine.open(folder, memory=budget, workers=3, max_batch=1) as engine:
+        kind = engine.ring.kind
+        assert engine.fit is not None and engine.fit.working == working(source, kind)
+        spare = engine.reader._spare  # what the reader allocated for its threads
+        allocated = sum(b.base.nbytes if b.base is not None else b.nbytes for b in spare)
+    assert working(source, kind) - working(vault, kind) == bounce_bytes(source, 3) == allocated

@@ -117,16 +117,23 @@ def forecast(
     """Decode and prefill tok/s bands, hit rates, misses per token and the cold-fill time
     of a ring of ``slots`` (docs/plan.md). ``disk``: probe_disk's GB/s (low, median,
     high); ``compute``: probe_compute's seconds per decode token and per prefill token;
-    ``workers``: the engine's I/O threads."""
+    ``workers``: the engine's I/O threads. The probe's measured decode hit rates and
+    reads per token (at this ring, where recorded) widen the modelled bands."""
     b = shape.record_bytes
     bw_lo, bw, bw_hi = (disk[k] * 1e9 for k in ("gbps_low", "gbps", "gbps_high"))
     c_lo, c_hi = prediction_band(compute["decode_s"])
     p_lo, p_hi = prediction_band(compute["prefill_token_s"])
     h_lo, h_hi = hit_rates(shape, q, slots)
+    seen = compute.get("decode_hit_rate") or []  # measured by the probe at this ring
+    if seen and slots < shape.records:  # a routing that repeats itself beats the curves
+        h_lo, h_hi = min(h_lo, min(seen)), max(h_hi, max(seen))
     per_token = shape.layers * shape.top_k
     absent = max(0.0, 1 - slots / shape.records)  # chance a wrong guess is not resident
     miss_hi = per_token * ((1 - h_lo) + (1 - LOOKAHEAD_RECALL[0]) * absent)
     miss_lo = per_token * ((1 - h_hi) + (1 - LOOKAHEAD_RECALL[1]) * absent)
+    read = compute.get("decode_reads_per_token") or []  # measured by the probe, likewise
+    if read and slots < shape.records:
+        miss_lo, miss_hi = min(miss_lo, min(read)), max(miss_hi, max(read))
     # slow: the compute, then each layer's reads in rounds of `workers`, nothing overlapped
     slow = c_hi + serial_read_s(miss_hi, shape.layers, workers, b, bw_lo)
     fast = max(

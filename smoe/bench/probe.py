@@ -130,6 +130,8 @@ async def probe_compute(
     slots = max(m.shape.experts_per_token, min(slots, m.num_records))
     decode: list[float] = []
     prefill: list[float] = []
+    hits: list[float] = []  # decode hit rate per request: this ring on this model's routing
+    records: list[float] = []  # records read per decoded token (misses and lookahead's guesses)
     options: dict[str, Any] = {"slots": slots, "workers": workers, "dtype": dtype}
     async with Engine.open(vault.path, device=device, **options) as engine:
         chunk = engine.options.prefill_chunk
@@ -146,12 +148,16 @@ async def probe_compute(
             # thread's work: counted as compute
             busy = 1 - stats.decode_io_wait_share + stats.decode_copy_share
             decode.append(busy / stats.decode_tok_s)
+            hits.append(stats.decode_hit_rate)
+            records.append(stats.decode_bytes_per_token / m.record.stride)
             reads = stats.prefill_bytes / (disk_gbps * 1e9)
             prefill_s = stats.prefilled_tokens / max(stats.prefill_tok_s, 1e-9)
             prefill.append(max(prefill_s - reads, 0.0) / max(stats.prefilled_tokens, 1))
     result: dict[str, Any] = {
         "decode_s": [round(x, 6) for x in sorted(decode)],
         "prefill_token_s": [round(x, 7) for x in sorted(prefill)],
+        "decode_hit_rate": [round(x, 4) for x in sorted(hits)],
+        "decode_reads_per_token": [round(x, 3) for x in sorted(records)],
         "slots": slots,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

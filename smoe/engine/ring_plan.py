@@ -23,12 +23,14 @@ from typing import Any
 from smoe.engine.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
 from smoe.errors import SmoeError
 from smoe.io.ring import needs_conversion, slots_for_budget
+from smoe.io.shard_reader import bounce_bytes
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.models.checkpoint import safetensors_header
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
+from smoe.vault.source import Source
 
 KINDS = ("auto", "unified", "staged")
 
@@ -239,9 +241,13 @@ def budget_parts(
     workers: int = 4,
 ) -> Parts:
     """The budget's parts beside the ring (smoe.engine.budget.parts) for this vault: its
-    backbone as loaded, a staged ring's host landing buffers (2 per worker)."""
+    backbone as loaded, a staged ring's host landing buffers (2 per worker), and, for a
+    model run from its shards, the reader's bounce buffers (host memory, so not in a
+    discrete GPU's budget)."""
     dsize = int(dtype.size)
     landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
+    if isinstance(vault, Source) and not discrete:
+        landing += bounce_bytes(vault, workers)
     return parts(
         vault.config(),
         backbone_bytes(safetensors_header(vault.backbone_path), dsize),

@@ -66,6 +66,16 @@ def _chunks(extent: Extent, parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
 
 
+def bounce_bytes(source: Source, workers: int, parts: int | None = None) -> int:
+    """Host memory a ShardReader of ``workers`` threads keeps for its bounce buffers: one
+    per reading thread and part, each the largest part read at once plus two blocks,
+    rounded up to huge pages as ``_bounce_buffer`` allocates (counted in --memory)."""
+    parts = parts if parts is not None else MAX_PARTS
+    largest = max(b - a for ex in source.index.extents for e in ex for a, b in _chunks(e, parts))
+    one = -(-(largest + 2 * BLOCK) // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    return workers * max(1, parts) * one
+
+
 class ShardReader:
     """ReadBackend for a Source and a ring: ``await read(record, slot)`` fills the slot
     from the shards. ``reads`` counts the extent reads issued (parts of one count once).
