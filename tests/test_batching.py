@@ -72,6 +72,7 @@ async def batched_decode(engine: Engine, ps: list[list[int]], steps: int) -> lis
     return out
 
 
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_batched_step_equals_solo_bit_for_bit(arch, vaults):
     vault = vaults(arch)

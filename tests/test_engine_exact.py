@@ -159,7 +159,7 @@ def quantized(hf_dir, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- 1. vs mlx-lm
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_prefill_and_decode_equal_mlx_lm_bit_for_bit(arch, quantized):
     """(a) teacher-forced logits over 70 tokens (two chunks) and over prompt + generated

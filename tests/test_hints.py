@@ -51,7 +51,7 @@ async def _run(vault, policy: str, *, tokens: int = 40, lookahead: bool = False,
         return logits, out, archive, engine.scheduler.stats, engine.tracer
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 async def test_hints_change_eviction_not_output(vault, policy):
     logits, tokens, _, plain, _ = await _run(vault, policy)
@@ -65,7 +65,7 @@ async def test_hints_change_eviction_not_output(vault, policy):
     assert hinted.misses != plain.misses
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("policy", ["lru+hint", "lfu+hint", "lru-layer+hint", "lru", "lfu"])
 async def test_live_misses_equal_the_offline_replay(vault, policy):
     """No speculation (lookahead off, no gate echo): every read is a demand miss that the
