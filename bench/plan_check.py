@@ -98,6 +98,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             chunks=args.chunks,
         )
         keys = ("decode_s", "prefill_token_s", "decode_hit_rate", "decode_reads_per_token")
+        keys += ("prefill_reads_per_chunk",)
         both = {key: plan["compute"].get(key, []) + after.get(key, []) for key in keys}
         subject = open_subject(vault.path, None)
         q, _ = routing_probabilities(subject.shape, subject.popularity)

@@ -194,6 +194,11 @@ def test_the_probes_measured_hit_rates_widen_the_band():
     assert few["reads_per_token"] == [0.05, modelled["reads_per_token"][1]]
     c_lo, _ = prediction_band(compute["decode_s"])
     assert few["decode_tok_s"][1] == round(1 / max(c_lo, 0.05 * 1e8 / 2e9), 3)
+    # and records read per prefill chunk widen the prefill band
+    union = modelled["prefill_chunk_experts"]
+    fewer = forecast(shape, 8, q, disk, compute | {"prefill_reads_per_chunk": [1.0]})
+    assert fewer["prefill_tok_s"][1] > modelled["prefill_tok_s"][1] and union - 8 > 1.0
+    assert fewer["prefill_tok_s"][0] == modelled["prefill_tok_s"][0]
 
 
 def test_the_compute_band_is_a_95_percent_prediction_interval():

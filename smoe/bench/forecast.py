@@ -117,8 +117,9 @@ def forecast(
     """Decode and prefill tok/s bands, hit rates, misses per token and the cold-fill time
     of a ring of ``slots`` (docs/plan.md). ``disk``: probe_disk's GB/s (low, median,
     high); ``compute``: probe_compute's seconds per decode token and per prefill token;
-    ``workers``: the engine's I/O threads. The probe's measured decode hit rates and
-    reads per token (at this ring, where recorded) widen the modelled bands."""
+    ``workers``: the engine's I/O threads. The probe's measured decode hit rates, reads
+    per decoded token and per prefill chunk (at this ring, where recorded) widen the
+    modelled bands."""
     b = shape.record_bytes
     bw_lo, bw, bw_hi = (disk[k] * 1e9 for k in ("gbps_low", "gbps", "gbps_high"))
     c_lo, c_hi = prediction_band(compute["decode_s"])
@@ -142,6 +143,9 @@ def forecast(
     union = chunk_union(q, chunk)
     reads_hi = union if slots < shape.records else 0.0
     reads_lo = max(0.0, union - slots) if slots < shape.records else 0.0
+    chunk_seen = compute.get("prefill_reads_per_chunk") or []  # measured by the probe too
+    if chunk_seen and slots < shape.records:
+        reads_lo, reads_hi = min(reads_lo, min(chunk_seen)), max(reads_hi, max(chunk_seen))
     chunk_slow = chunk * p_hi + serial_read_s(reads_hi, shape.layers, workers, b, bw_lo)
     chunk_fast = max(chunk * p_lo, reads_lo * b / bw_hi, 1e-9)
     fill = min(slots, shape.records) * b

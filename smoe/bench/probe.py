@@ -132,6 +132,7 @@ async def probe_compute(
     prefill: list[float] = []
     hits: list[float] = []  # decode hit rate per request: this ring on this model's routing
     records: list[float] = []  # records read per decoded token (misses and lookahead's guesses)
+    chunk_records: list[float] = []  # records read per prefill chunk
     options: dict[str, Any] = {"slots": slots, "workers": workers, "dtype": dtype}
     async with Engine.open(vault.path, device=device, **options) as engine:
         chunk = engine.options.prefill_chunk
@@ -150,6 +151,8 @@ async def probe_compute(
             decode.append(busy / stats.decode_tok_s)
             hits.append(stats.decode_hit_rate)
             records.append(stats.decode_bytes_per_token / m.record.stride)
+            chunk_count = max(1, -(-stats.prefilled_tokens // chunk))
+            chunk_records.append(stats.prefill_bytes / m.record.stride / chunk_count)
             reads = stats.prefill_bytes / (disk_gbps * 1e9)
             prefill_s = stats.prefilled_tokens / max(stats.prefill_tok_s, 1e-9)
             prefill.append(max(prefill_s - reads, 0.0) / max(stats.prefilled_tokens, 1))
@@ -158,6 +161,7 @@ async def probe_compute(
         "prefill_token_s": [round(x, 7) for x in sorted(prefill)],
         "decode_hit_rate": [round(x, 4) for x in sorted(hits)],
         "decode_reads_per_token": [round(x, 3) for x in sorted(records)],
+        "prefill_reads_per_chunk": [round(x, 2) for x in sorted(chunk_records)],
         "slots": slots,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
