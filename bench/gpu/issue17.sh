@@ -3,6 +3,7 @@
 #   build   the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
 #   test    --kv-bits on CUDA: refused, as mlx-lm cannot run it there (tests/test_gpu.py)
 #   plan    smoe plan's forecast against measured (bench/plan_check.py) at 3 budgets
+#           (PLAN_BUDGETS overrides them)
 #   draft   --draft ngram / oracle / wrong against plain decode (bench/draft.py)
 #   kvbits  KV bytes and speed at a long context, float / 8 / 4 bits (bench/kv_bits.py; CPU
 #           and Apple only: refused on CUDA, see docs/performance.md)
@@ -37,6 +38,7 @@ every_b = float(every[:-2]) * (1e9 if every.endswith("GB") else 1e6)
 print(",".join(f"{b / 1e9:.1f}GB" for b in (lo + 1e9, (lo + every_b) / 2, every_b + 0.2e9)))
 EOF
 )
+    budgets=${PLAN_BUDGETS:-$budgets}  # e.g. PLAN_BUDGETS=7.7GB,17.6GB to re-check two rows
     echo "budgets $budgets"
     python3 bench/plan_check.py "$V" --memory "$budgets" --device gpu --tokens ${PLAN_TOKENS:-24} \
       --repeats ${PLAN_REPEATS:-3} --chunks ${PLAN_CHUNKS:-2} > "$OUT/plan_check.json" ;;
