@@ -232,3 +232,32 @@ def test_kv_bits_is_refused_on_cuda_where_mlx_lm_cannot_run_it(kv_bits, models, 
         code, _, err = run_cli(command, vault.path, *extra, "--kv-bits", str(kv_bits))
         assert code == 2 and len(err.strip().splitlines()) == 1
         assert "--kv-bits does not run on a CUDA GPU" in err
+
+
+@pytest.mark.skipif(not CUDA, reason="a CUDA GPU's refusal")
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
+async def test_concurrent_generations_equal_solo_ones(models):
+    """Eight greedy generate() calls at once on a GPU equal each alone: the engine decodes
+    them one at a time there, and refuses a batch. Before that refusal, decode passes of 6
+    rows changed 3 of these 8 requests' tokens (from token 10, 18 and 21; docs/gpu.md),
+    as CUDA's kernels change algorithm with the row count."""
+    import asyncio
+
+    from smoe.errors import SmoeError
+
+    vault, _ = models("qwen3_moe", 4)
+    prompts = [
+        np.random.default_rng(20 + i).integers(10, 4000, 5 + 9 * i).tolist() for i in range(8)
+    ]
+    slots = vault.manifest.num_records // 4
+    with pytest.raises(SmoeError, match="--max-batch above 1 is exact only on the CPU"):
+        async with Engine.open(vault.path, slots=slots, max_batch=8, **ENGINE):
+            pass
+    async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
+        assert engine.max_batch == 1
+        solo = [await generate(engine, p, 24) for p in prompts]
+        async with engine.exclusive():  # all eight are queued before the first is admitted
+            runs = [asyncio.ensure_future(generate(engine, p, 24)) for p in prompts]
+            await asyncio.sleep(0)
+        assert await asyncio.gather(*runs) == solo
+        assert engine.batcher.step_rows == engine.batcher.steps  # one row per pass

@@ -180,7 +180,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
-    if args.max_batch < 1 or args.max_queue < 0:
+    if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
     options = ServerOptions(
         api_key=args.api_key,
@@ -434,8 +434,9 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--max-batch",
         type=int,
-        default=8,
-        help="requests decoded together, one token each per step (1: one at a time)",
+        default=None,
+        help="requests decoded together, one token each per step (default 8 on the CPU; "
+        "1 on a GPU, where a batch would change the tokens)",
     )
     sv.add_argument(
         "--prefix-cache",

@@ -38,6 +38,7 @@ from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import (
     RingPlan,
+    batch_size,
     check_draft,
     check_kv_bits,
     choose_device,
@@ -80,6 +81,7 @@ class Engine(GroupAPI):
         self.ranks: Ranks | None = None
         self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
         self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
+        self.max_batch = 1  # generations decoded together: options.max_batch on this device
 
     @classmethod
     def open(
@@ -120,7 +122,7 @@ class Engine(GroupAPI):
             self.runner,
             self._lock,
             self._meter,
-            max_batch=self.options.max_batch,
+            max_batch=self.max_batch,
             on_demand=self._demand_arrives,
             draft=self.runner.step_draft if self.runner.drafting is not None else None,
         )
@@ -140,6 +142,7 @@ class Engine(GroupAPI):
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         check_kv_bits(o.kv_bits, current_device(self._device))
         check_draft(o.draft, current_device(self._device))
+        self.max_batch = batch_size(o.max_batch, current_device(self._device))
         return plan_ring(
             self.vault,
             requested=o.ring,
@@ -147,7 +150,7 @@ class Engine(GroupAPI):
             device=current_device(self._device),
             memory=o.memory,
             slots=o.slots,
-            max_batch=o.max_batch,
+            max_batch=self.max_batch,
             max_context=o.max_context,
             kv_bits=o.kv_bits,
             prefill_chunk=o.prefill_chunk,

@@ -33,7 +33,9 @@ class EngineOptions:
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
-    max_batch: int = 8  # generations decoded together (1: one at a time)
+    # generations decoded together (1: one at a time); None: 8 on the CPU, 1 on a GPU,
+    # where a batch's kernels round differently (smoe.engine.ring_plan.batch_size)
+    max_batch: int | None = None
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
     ring: str = "auto"  # "unified", "staged" or "auto" (smoe.engine.ring_plan)
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
@@ -53,7 +55,7 @@ class EngineOptions:
         takes a resource: no file, thread or ring is left behind by a bad option."""
         if self.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
-        if self.max_batch < 1:
+        if self.max_batch is not None and self.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
         if self.workers < 1:
             raise SmoeError("workers must be at least 1")

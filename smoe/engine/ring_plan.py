@@ -183,6 +183,26 @@ def check_draft(draft: str | None, device: Device) -> None:
         )
 
 
+CPU_BATCH = 8  # generations decoded together on the CPU unless told otherwise
+
+
+def batch_size(max_batch: int | None, device: Device) -> int:
+    """Generations decoded together. A batched pass is exact where each row gets the
+    single-row arithmetic: MLX's CPU kernels (tests/test_batching.py). GPU kernels pick
+    their algorithm by the call's row count: on an H200, 3 of 8 concurrent 4-bit requests
+    left their solo tokens (tests/test_gpu.py, docs/gpu.md), so a GPU decodes one at a
+    time by default and refuses a larger batch rather than change the output."""
+    if max_batch is None:
+        return 1 if device.gpu else CPU_BATCH
+    if max_batch > 1 and device.gpu:
+        raise SmoeError(
+            "--max-batch above 1 is exact only on the CPU: on a GPU a batched pass's "
+            "kernels round differently from one request's and can change its tokens; leave "
+            "--max-batch out there (1), or add --device cpu"
+        )
+    return max_batch
+
+
 def current_device(device: Any) -> Device:
     """The Device of an MLX device (reads the free memory of a CUDA GPU: what the driver
     reports free plus MLX's cache of freed buffers, which this process reuses; a closed
