@@ -30,6 +30,7 @@ from smoe.engine.budget import (
 from smoe.engine.ring_plan import (
     Device,
     available_memory,
+    batch_size,
     check_kv_bits,
     choose_device,
     current_device,
@@ -188,6 +189,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     mlx_device = choose_device(o.device)
     device = current_device(mlx_device)
     check_kv_bits(o.kv_bits, device)
+    batch_size(o.max_batch, device)  # a GPU refuses a batch as the engine does
     device_name = "gpu" if mlx_device == mx.gpu else "cpu"
     dtype_name = o.dtype or ("bfloat16" if device_name == "gpu" else "float32")
     dtype = getattr(mx, dtype_name)
