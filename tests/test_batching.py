@@ -221,18 +221,3 @@ async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
     unions = [len(np.unique(idx)) for idx in routed]
     per_row = [sum(len(set(row)) for row in idx) for idx in routed]
     assert asked == sum(unions) < sum(per_row)
-
-
-def test_a_gpu_decodes_one_request_at_a_time_and_refuses_a_batch():
-    """A batched pass is exact where each row computes as it would alone (MLX's CPU
-    kernels, above); GPU kernels choose by row count (on an H200 3 of 8 concurrent 4-bit
-    requests changed tokens: tests/test_gpu.py), so a GPU defaults to 1 and refuses more."""
-    from smoe.engine.ring_plan import CPU_BATCH, Device, batch_size
-    from smoe.errors import SmoeError
-
-    cpu = Device(gpu=False, discrete=False)
-    assert batch_size(None, cpu) == CPU_BATCH == 8 and batch_size(3, cpu) == 3
-    for gpu in (Device(gpu=True, discrete=True), Device(gpu=True, discrete=False)):
-        assert batch_size(None, gpu) == 1 and batch_size(1, gpu) == 1
-        with pytest.raises(SmoeError, match="--max-batch above 1 is exact only on the CPU"):
-            batch_size(2, gpu)

@@ -151,3 +151,17 @@ async def test_a_closed_engine_gives_its_cached_buffers_back(vaults):
         await engine.logits([5, 6, 7, 8])
         assert mx.get_cache_memory() > 0  # freed activations kept for the next pass
     assert mx.get_cache_memory() == 0
+
+
+def test_a_gpu_decodes_one_request_at_a_time_and_refuses_a_batch():
+    """A batched pass is exact where each row computes as it would alone (MLX's CPU
+    kernels, above); GPU kernels choose by row count (on an H200 3 of 8 concurrent 4-bit
+    requests changed tokens: tests/test_gpu.py), so a GPU defaults to 1 and refuses more."""
+    from smoe.engine.ring_plan import CPU_BATCH, Device, batch_size
+
+    cpu = Device(gpu=False, discrete=False)
+    assert batch_size(None, cpu) == CPU_BATCH == 8 and batch_size(3, cpu) == 3
+    for gpu in (Device(gpu=True, discrete=True), Device(gpu=True, discrete=False)):
+        assert batch_size(None, gpu) == 1 and batch_size(1, gpu) == 1
+        with pytest.raises(SmoeError, match="--max-batch above 1 is exact only on the CPU"):
+            batch_size(2, gpu)
