@@ -91,9 +91,9 @@ def test_bench_io_reports_both_sides(vault, run_cli):
     row = json.loads(out)["sweep"][0]
     assert code == 0 and row["control_GBps"] > 0
     assert len(row["control_ratio_runs"]) == len(row["ratio_runs"]) == 2
-    assert row["control_ratio"] == pytest.approx(
-        row["control_GBps"] / row["baseline_GBps"], rel=0.02
-    )
+    # the GB/s figures are rounded to 3 decimals, which on a tiny vault is a few percent
+    c, b = row["control_GBps"], row["baseline_GBps"]
+    assert row["control_ratio"] == pytest.approx(c / b, rel=0.02 + 0.0005 / c + 0.0005 / b)
 
 
 def test_ring_asks_for_huge_pages(vault):
