@@ -136,12 +136,21 @@ def plain_tokens(model, prompt, params, n):  # noqa: F811
     return [r.step(seq) for _ in range(n)]
 
 
+def steady(**fields) -> Drafting:
+    """Drafting whose governors never judge (no switch-off): these tests check tokens, and
+    a judgement fed from the wall clock would make them depend on this machine's speed."""
+    return Drafting(governor=lambda: DraftGovernor(min_passes=10**9), **fields)
+
+
 def drafted(runner: Runner, prompt, params, n):
     seq = runner.start(prompt, params)
     out: list[int] = []
     while len(out) < n:
         out += runner.step_draft(seq, n - len(out))
-        assert all(c.offset == seq.cached == len(seq.tokens) - 1 for c in seq.cache)
+        # A plain step while drafting is off may have queued the next pass (build ahead).
+        ahead = 0 if seq.ahead is None else 1
+        assert seq.cached == len(seq.tokens) - 1
+        assert all(c.offset == seq.cached + ahead for c in seq.cache)
     return seq, out
 
 
@@ -150,20 +159,32 @@ def drafted(runner: Runner, prompt, params, n):
 def test_greedy_draft_tokens_are_plain_greedy_tokens(model, k, resident):  # noqa: F811
     params = SamplingParams(repetition_penalty=1.1) if k == 7 else SamplingParams()
     want = plain_tokens(model, LOOP, params, 40)
-    runner = Runner(
-        model, resident=(lambda: True) if resident else None, drafting=Drafting(tokens=k)
-    )
+    runner = Runner(model, resident=(lambda: True) if resident else None, drafting=steady(tokens=k))
     seq, got = drafted(runner, LOOP, params, 40)
     assert got == want and seq.tokens == [*LOOP, *want]
     stats = runner.drafting.stats
     assert stats.accepted > 0 and stats.accepted < stats.drafted  # both branches ran
 
 
+def test_switching_off_and_back_on_over_a_pass_built_ahead_keeps_the_tokens(model):  # noqa: F811
+    """A drafter that is always wrong, on a forced clock: drafting is switched off, plain
+    steps build ahead, and the retry after the backoff drops the pass built ahead."""
+    want = plain_tokens(model, LOOP, SamplingParams(), 40)
+    truth = [*LOOP, *want]
+    governor = lambda: DraftGovernor(min_passes=2, backoff=3)  # noqa: E731
+    wrong = Drafting(drafter=WrongDrafter(truth), tokens=2, governor=governor, clock=Ticks())
+    runner = Runner(model, resident=lambda: True, drafting=wrong)
+    seq, got = drafted(runner, LOOP, SamplingParams(), 40)
+    assert got == want and seq.tokens == truth
+    assert wrong.stats.switch_offs >= 2 and wrong.stats.accepted == 0
+    assert runner.built_ahead > 0  # the off stretches built ahead
+
+
 def test_a_stop_token_ends_the_accepted_run(model):  # noqa: F811
     want = plain_tokens(model, LOOP, SamplingParams(), 40)
     stop = want[20]
     first = want.index(stop)
-    runner = Runner(model, drafting=Drafting())
+    runner = Runner(model, drafting=steady())
     seq = runner.start(LOOP, SamplingParams())
     out: list[int] = []
     while not out or out[-1] != stop:
@@ -176,7 +197,7 @@ def test_sampled_verify_draws_from_the_target_distribution(model):  # noqa: F811
     """The first token a verify pass returns is distributed as p1 (the distribution plain
     decoding samples from there); after an accepted draft, the next one as p2 given it."""
     params = SamplingParams(temperature=1.5, top_k=4)
-    runner = Runner(model, drafting=Drafting(rng=np.random.default_rng(0)))
+    runner = Runner(model, drafting=steady(rng=np.random.default_rng(0)))
     seq = runner.start(LOOP, params)
     logits = runner.model(mx.array([LOOP[-1:]]), cache=runner.copy(seq).cache)[:, -1, :]
     p1 = target_probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)
@@ -199,8 +220,8 @@ def test_sampled_verify_draws_from_the_target_distribution(model):  # noqa: F811
 
 def test_seeded_sampling_with_drafts_repeats_itself(model):  # noqa: F811
     params = SamplingParams(temperature=0.9, seed=4)
-    a = drafted(Runner(model, drafting=Drafting()), LOOP, params, 24)[1]
-    b = drafted(Runner(model, drafting=Drafting()), LOOP, params, 24)[1]
+    a = drafted(Runner(model, drafting=steady()), LOOP, params, 24)[1]
+    b = drafted(Runner(model, drafting=steady()), LOOP, params, 24)[1]
     assert a == b
 
 

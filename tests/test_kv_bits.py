@@ -160,10 +160,11 @@ def test_stats_report_the_kv_cache(vault):
     assert eight / full == pytest.approx(8 / 32 + 2 / 64, rel=0.01)
 
 
-def test_conversation_saved_with_other_kv_bits_is_refused(tmp_path):
+def test_conversation_saved_with_other_kv_bits_is_refused(tmp_path, monkeypatch):
     """On the demo model (a chat template; heads 32 wide: groups of 32)."""
     from smoe.chat.demo import demo_vault
 
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path / "cache"))  # not the user's cache
     vault = demo_vault()
 
     async def run():
@@ -209,14 +210,16 @@ def test_sliding_window_models_refuse_kv_bits():
 def test_greedy_drafts_over_a_quantized_cache_are_plain_greedy_tokens(model, bits):
     """--kv-bits with --draft: a verify pass writes k+1 quantized positions and trims the
     rejected ones; its tokens are plain decoding's over the same quantized cache."""
-    from smoe.compute.draft import Drafting
+    from smoe.compute.draft import DraftGovernor, Drafting
     from smoe.compute.runner import Runner, SamplingParams
 
     loop = [5, 9, 31, 7, 64, 2, 17, 88, 40, 3] * 3  # a prompt to look drafts up in
     plain = Runner(model, kv_bits=bits, kv_group_size=64)
     seq = plain.start(loop, SamplingParams())
     want = [plain.step(seq) for _ in range(40)]
-    runner = Runner(model, kv_bits=bits, kv_group_size=64, drafting=Drafting(tokens=4))
+    never_off = lambda: DraftGovernor(min_passes=10**9)  # noqa: E731  (no wall-clock judgement)
+    drafting = Drafting(tokens=4, governor=never_off)
+    runner = Runner(model, kv_bits=bits, kv_group_size=64, drafting=drafting)
     seq = runner.start(loop, SamplingParams())
     got: list[int] = []
     while len(got) < 40:
