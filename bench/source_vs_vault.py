@@ -1,10 +1,15 @@
 """Generation straight from a download vs from its vault: same model, same budget, one run.
 
     python bench/source_vs_vault.py WORKDIR [--ring 1GB] [--tokens 24] [--rounds 3]
+                                            [--layers 2] [--format hf|mlx4]
 
 WORKDIR/src is a Qwen3-30B-A3B-geometry checkpoint (`smoe synth --preset qwen3-30b-a3b`:
-128 experts of 9.4 MB in bf16, top-8, 2 layers), made if missing; WORKDIR/vault is its
-`smoe convert --bits 16` (the same bytes, one record per expert), made if missing. Each
+128 experts of 9.4 MB in bf16, top-8, --layers layers), made if missing. --format hf (the
+default) runs it as a Hugging Face download, against its `smoe convert --bits 16`
+(WORKDIR/vault: the same bytes, one record per expert). --format mlx4 runs what
+`mlx_lm.convert -q` makes of it (WORKDIR/mlx4, an mlx-community folder: 4-bit, group 64,
+each expert a slice of stacked tensors), against its `smoe convert` (WORKDIR/vault4, the
+same 4-bit bytes). All are made if missing. Each
 round generates the same greedy tokens from both, alternating which goes first, each on a
 fresh engine with the same ring (--ring: its size, a share of the experts or 'all'). Before that, the readers alone read every
 expert once per round (GB/s, alternating). Prints one JSON object: per side the median
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -25,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
@@ -34,15 +42,50 @@ from smoe.vault.format import Vault
 from smoe.vault.source import Source
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    src, vault = work / "src", work / "vault"
-    if not (src / "config.json").exists():
+def prepare(work: Path, layers: int, fmt: str) -> tuple[Path, Path]:
+    """(the download, its vault) for --format ``fmt``, made if missing."""
+    hf = work / "src"
+    if not (hf / "config.json").exists():
         print("synthesizing the checkpoint ...", file=sys.stderr)
-        synthesize(src, arch="qwen3_moe", preset="qwen3-30b-a3b", seed=0)
+        synthesize(hf, arch="qwen3_moe", preset="qwen3-30b-a3b", layers=layers, seed=0)
+    src, vault = (hf, work / "vault") if fmt == "hf" else (work / "mlx4", work / "vault4")
+    if fmt == "mlx4" and not (src / "config.json").exists():
+        print("quantizing it as mlx_lm.convert -q does ...", file=sys.stderr)
+        mlx_quantized(hf, src)
     if not (vault / "manifest.json").exists():
-        print("converting it (--bits 16) ...", file=sys.stderr)
-        convert(src, vault, ConvertOptions(bits=16))
+        print("converting it ...", file=sys.stderr)
+        # hf: --bits 16 keeps the shards' bf16 bytes; mlx4: the source's 4-bit bytes
+        convert(src, vault, ConvertOptions(bits=16 if fmt == "hf" else None))
     return src, vault
+
+
+def mlx_quantized(hf: Path, out: Path) -> None:
+    """What `mlx_lm.convert -q` writes (an mlx-community folder), by mlx-lm's own
+    functions, built under a temporary name."""
+    import shutil
+
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    import json
+
+    # transformers 5 writes rope_parameters and num_local_experts; mlx-lm reads these names
+    config = json.loads((hf / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    fixes = {
+        "rope_theta": config.get("rope_theta", rope.get("rope_theta")),
+        "num_experts": config.get("num_experts", config.get("num_local_experts")),
+    }
+    model, config = load_model(hf, lazy=True, model_config=fixes)
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight
+        model, config = quantize_model(model, config, group_size=64, bits=4)
+    save_model(tmp, model)
+    save_config(config, tmp / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (hf / name).exists():
+            shutil.copy(hf / name, tmp / name)
+    tmp.rename(out)
 
 
 async def one_run(path: Path, prompt: list[int], tokens: int, slots: int) -> dict[str, Any]:
@@ -161,9 +204,11 @@ async def main() -> None:
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2, help="the checkpoint's (when made)")
+    p.add_argument("--format", choices=("hf", "mlx4"), default="hf")
     args = p.parse_args()
     os.environ.setdefault("SMOE_CACHE", str(args.work / "cache"))
-    src, vault = prepare(args.work)
+    src, vault = prepare(args.work, args.layers, args.format)
     io = await io_only(src, vault, args.rounds)
     print(f"reads alone: {io}", file=sys.stderr)
     prompt = [(7 * i + 3) % 4000 + 2 for i in range(args.prompt_tokens)]
@@ -200,10 +245,16 @@ async def main() -> None:
 
     s, v = side(runs["source"]), side(runs["vault"])
     index = Source.open(src).index
+    layers = Vault.open(vault).manifest.topology["num_layers"]
     print(
         json.dumps(
             {
-                "model": "qwen3_moe, Qwen3-30B-A3B expert geometry, 2 layers, bf16 experts",
+                "model": (
+                    f"qwen3_moe, Qwen3-30B-A3B expert geometry, {layers} layers, "
+                    + ("bf16 experts" if args.format == "hf" else "4-bit experts (mlx4)")
+                ),
+                "format": args.format,
+                "device": str(mx.default_device()),
                 "record_bytes": index.layout.size,
                 "shards": len(index.files),
                 "ring": args.ring,

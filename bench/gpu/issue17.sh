@@ -7,9 +7,10 @@
 #   draft   --draft ngram / oracle / wrong against plain decode (bench/draft.py)
 #   kvbits  KV bytes and speed at a long context, float / 8 / 4 bits (bench/kv_bits.py; CPU
 #           and Apple only: refused on CUDA, see docs/performance.md)
-#   source  running from the shards against the vault (bench/source_vs_vault.py)
+#   source  running from the shards against the vault (bench/source_vs_vault.py), for an HF
+#           (bf16) and an mlx-community (4-bit) download; SOURCE_LAYERS, SOURCE_RING
 # JSON goes to $OUT (plan_check.json, draft_q235.json, draft_demo.json, kv_bits.json,
-# source_vs_vault.json), the log to $OUT/issue17.log.
+# source_vs_vault_{hf,mlx4}.json), the log to $OUT/issue17.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -52,7 +53,12 @@ EOF
     python3 bench/kv_bits.py "$V" --device gpu --ring all --context ${KV_CONTEXT:-4096} \
       --max-tokens 32 --rounds ${KV_ROUNDS:-2} > "$OUT/kv_bits.json" ;;
   source)
-    python3 bench/source_vs_vault.py "$DATA/q30" --rounds 4 --tokens 24 > "$OUT/source_vs_vault.json" ;;
+    # an HF download (bf16) and an mlx-community one (4-bit) of the same checkpoint
+    for fmt in ${SOURCE_FORMATS:-hf mlx4}; do
+      python3 bench/source_vs_vault.py "$DATA/q30-${SOURCE_LAYERS:-8}" --format $fmt \
+        --layers ${SOURCE_LAYERS:-8} --ring ${SOURCE_RING:-25%} --rounds ${SOURCE_ROUNDS:-4} \
+        --tokens ${SOURCE_TOKENS:-32} > "$OUT/source_vs_vault_$fmt.json"
+    done ;;
   esac
 done
 echo "== done $(date +%T)"
