@@ -258,8 +258,17 @@ def test_a_directory_without_manifest_is_not_a_vault(hf_dir, tmp_path):
 
     convert(hf_dir("olmoe"), tmp_path / "v")
     (tmp_path / "v" / "manifest.json").unlink()
-    with pytest.raises(VaultError, match="not a vault"):
+    with pytest.raises(VaultError, match=r"not a vault \(manifest.json is missing"):
         Vault.open(tmp_path / "v")
+
+
+def test_a_download_given_where_a_vault_is_needed_names_convert(hf_dir, run_cli):
+    """`smoe shard` and the like take vaults only: a checkpoint folder is named as such."""
+    src = hf_dir("olmoe")
+    code, _, err = run_cli("shard", src, src.parent / "shard", "--ranks", "2", "--rank", "0")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{src} is a checkpoint folder, not a vault" in err
+    assert f"run 'smoe convert {src} VAULT' first" in err
 
 
 def test_disk_full_before_and_during(hf_dir, tmp_path, monkeypatch):

@@ -242,6 +242,25 @@ def test_smoe_generate_under_mlx_launch_prints_once_the_single_process_tokens(va
     assert [r["rank"] for r in printed[0]["stats"]["ranks"]] == [0, 1]
 
 
+def test_two_ranks_stream_a_download_as_one_process_does(hf_dir, tmp_path, monkeypatch):
+    """Expert parallelism straight from a Hugging Face folder (docs/sources.md): each rank
+    reads the experts it owns from the original shards; rank 0 prints the solo tokens."""
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path / "cache"))  # the source's statistics
+    src = hf_dir("qwen3_moe")
+    argv = ["-m", "smoe.cli", "generate", str(src), "--prompt-ids", "5,6,7,8,9,10"]
+    argv += ["--max-tokens", "10", "--slots", "6", "--json", "--temp", "0"]
+    solo = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert solo.returncode == 0, solo.stderr[-3000:]
+    outputs = finish(start_ranks([*argv, "--distributed"], tmp_path), timeout=300)
+    for rc, _, stderr in outputs:
+        assert rc == 0, stderr[-3000:]
+    printed = [json.loads(line) for line in outputs[0][1].splitlines() if line.startswith("{")]
+    assert len(printed) == 1 and outputs[1][1].strip() == ""  # rank 0 alone talks
+    assert printed[0]["tokens"] == json.loads(solo.stdout)["tokens"]
+    ranks = printed[0]["stats"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["bytes_read"] > 0 for r in ranks)
+
+
 def test_a_killed_rank_ends_the_group_with_one_line_on_rank_0(vault, tmp_path):
     args = ["-m", "smoe.cli", "generate", str(vault.path), "--prompt-ids", "5,6,7"]
     args += ["--max-tokens", "4000", "--slots", "6", "--distributed", "ring"]

@@ -204,6 +204,13 @@ class Vault:
         if not path.is_dir():
             raise VaultError(f"{path} is not a directory; give a vault made by 'smoe convert'")
         mpath = path / MANIFEST
+        ours = (path / EXPERTS_FILE).exists() or (path / BACKBONE_FILE).exists()
+        if not mpath.exists() and (path / CONFIG_FILE).is_file() and not ours:
+            # A download (docs/sources.md) given to a command that needs a vault.
+            raise VaultError(
+                f"{path} is a checkpoint folder, not a vault; this command needs a vault: "
+                f"run 'smoe convert {path} VAULT' first"
+            )
         if not mpath.exists():
             raise VaultError(
                 f"{path} is not a vault ({MANIFEST} is missing; an interrupted conversion "
