@@ -261,3 +261,26 @@ async def test_concurrent_generations_equal_solo_ones(models):
             await asyncio.sleep(0)
         assert await asyncio.gather(*runs) == solo
         assert engine.batcher.step_rows == engine.batcher.steps  # one row per pass
+
+
+@pytest.mark.skipif(not CUDA, reason="a CUDA GPU's memory")
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
+async def test_a_closed_engine_gives_its_ring_back_to_the_driver(tmp_path):
+    """The staged ring's banks leave the GPU when the engine closes, though the caller
+    still holds the engine, and MLX's cache of freed buffers is emptied: the driver sees
+    the memory free again (what a second engine, or another process, is planned with)."""
+    src = synthesize(tmp_path / "hf", arch="qwen3_moe", preset="qwen3-30b-a3b", layers=1)
+    vault = convert(src, tmp_path / "v", ConvertOptions(bits=16))  # 128 records of 9.4 MB
+    free = lambda: int(mx.device_info(mx.gpu)["free_memory"])  # noqa: E731
+    mx.clear_cache()
+    before = free()
+    engine = Engine.open(vault.path, slots=vault.manifest.num_records, **ENGINE)
+    async with engine:
+        await generate(engine, [5, 6, 7, 8], 4)
+        ring, during = engine.ring.nbytes, free()
+    after = free()
+    report(
+        {"test": "closed engine", "ring": ring, "taken": before - during, "kept": before - after}
+    )
+    assert before - during >= ring
+    assert mx.get_cache_memory() == 0 and before - after < ring // 10

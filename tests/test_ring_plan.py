@@ -153,6 +153,23 @@ async def test_a_closed_engine_gives_its_cached_buffers_back(vaults):
     assert mx.get_cache_memory() == 0
 
 
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # allocator state, not loop behaviour
+async def test_a_closed_engine_frees_its_staged_ring_while_still_referenced(vaults):
+    """The staged ring's banks (on a CUDA GPU: device memory) go when the engine closes,
+    not when the caller's last reference to it does: a script that opens a second engine
+    after the first one's `async with` gets the memory back (tests/test_gpu.py, on CUDA)."""
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    slots = vaults["bf16"].manifest.num_records  # every expert: the ring dominates
+    engine = Engine.open(vaults["bf16"].path, ring="staged", slots=slots)
+    async with engine:
+        await engine.logits([5, 6, 7, 8])
+        ring_bytes = engine.ring.nbytes
+        assert mx.get_active_memory() - before >= ring_bytes
+    assert engine.ring.banks() == []
+    assert mx.get_active_memory() - before < ring_bytes // 4  # the backbone went too
+
+
 def test_a_gpu_decodes_one_request_at_a_time_and_refuses_a_batch():
     """A batched pass is exact where each row computes as it would alone (MLX's CPU
     kernels, above); GPU kernels choose by row count (on an H200 3 of 8 concurrent 4-bit

@@ -385,10 +385,15 @@ class StagedRing:
             return len(self._pending)
 
     def close(self) -> None:
+        """Refuse further landings, wake whoever waits for one, and drop the banks: their
+        memory (a CUDA GPU's) goes now, not with the last reference to this ring; so do the
+        landing buffers, but for those a read still in flight holds until it ends. Call it
+        once the compute side has stopped committing."""
         with self._cond:
             self._closed = True
-            self._free.extend(land for _, land in self._pending)
             self._pending.clear()
+            self._free.clear()  # _take refuses from now on
+            self._banks, self._landings = [], []
             self._cond.notify_all()
 
     def __repr__(self) -> str:
