@@ -1,16 +1,20 @@
 """The `smoe` command line: the parser, the entry point and its exit codes. Each
 subcommand is a thin shell over the Python API, in smoe.commands.
 
-User mistakes (SmoeError) print one line and exit 2; Ctrl-C or SIGTERM exit 130 after
-the running command has cleaned up after itself.
+User mistakes (SmoeError) print one line and exit 2; Ctrl-C, SIGINT or SIGTERM exit 130
+after the running command has cleaned up after itself. SIGINT is handled however the
+process was started: a shell starts a background job (`&`, `nohup`) with SIGINT ignored,
+and `kill -INT` must still stop a backgrounded `smoe serve`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from smoe.commands.bench import add_bench
@@ -44,8 +48,26 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@contextlib.contextmanager
+def _interrupts_stop_the_command() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt while a command runs, whatever
+    dispositions the process inherited (an ignored SIGINT included); the caller's handlers
+    come back afterwards, since ``main`` is also called in-process (tests, scripts)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; an embedding caller owns them
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # default_int_handler, not ours: asyncio.Runner takes SIGINT over only from it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up temp output on kill too
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -55,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return int(args.func(args))
+        with _interrupts_stop_the_command():
+            return int(args.func(args))
     except SmoeError as e:
         print(f"smoe {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code

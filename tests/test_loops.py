@@ -15,5 +15,4 @@ async def test_runs_on_each_loop():
 
 
 def test_both_loops_were_used():
-    pytest.importorskip("uvloop")
     assert {"asyncio", "uvloop"} == SEEN

@@ -247,7 +247,6 @@ def test_bench_policy_report() -> None:
 
 
 def test_plots(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
     from smoe.bench.plots import plot_hit_rates, plot_time_breakdown
 
     report = bench_policy(random_stream(1), (0.5, 0.9), ("lru", "arc"))

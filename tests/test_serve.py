@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
+import openai
 import pytest
 
 from smoe.compute.runner import SamplingParams
@@ -15,8 +17,6 @@ from tests.conftest import tiny_vault
 from tests.fakes import FailingReads
 from tests.serving import Running
 
-openai = pytest.importorskip("openai")
-aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.asyncio
 
 

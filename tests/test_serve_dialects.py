@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
+import anthropic
+import ollama
 import pytest
 
 from smoe.compute.runner import SamplingParams
@@ -21,9 +24,6 @@ from smoe.serve.app import ServerOptions
 from tests.conftest import tiny_vault
 from tests.serving import Running
 
-anthropic = pytest.importorskip("anthropic")
-ollama = pytest.importorskip("ollama")
-aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.asyncio
 
 SYSTEM = "Be brief."

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import jinja2
 import pytest
 
@@ -22,8 +23,6 @@ from smoe.serve.prefix import ChatReply, PrefixCache
 from tests import serving
 from tests.conftest import tiny_vault
 
-openai = pytest.importorskip("openai")
-aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.asyncio
 
 
@@ -114,7 +113,11 @@ def bytes_to_unicode() -> dict[int, str]:
 def byte_level(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make ``tok`` tokenize text one byte per id (special tokens stay whole): the model
     generates merged tokens, so the text of a reply tokenized again always gets other ids
-    than the ones generated. The detokenizer is unchanged."""
+    than the ones generated. The detokenizer is unchanged.
+
+    The patches go on the wrapped transformers tokenizer, a plain object that mlx-lm's
+    ``TokenizerWrapper`` forwards ``encode`` and ``apply_chat_template`` to: the wrapper's
+    own ``__setattr__`` forwards too, so monkeypatch could not undo a patch made on it."""
     hf = tok._tokenizer
     specials = {
         t: hf.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -131,14 +134,15 @@ def byte_level(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
                 ids.extend(hf.convert_tokens_to_ids(alphabet[b]) for b in part.encode())
         return ids
 
-    template = tok.apply_chat_template
+    template = hf.apply_chat_template
 
     def apply_chat_template(messages: Any, *a: Any, tokenize: bool = True, **kw: Any) -> Any:
         text = template(messages, *a, tokenize=False, **kw)
         return encode(text) if tokenize else text
 
-    monkeypatch.setattr(tok, "encode", encode)
-    monkeypatch.setattr(tok, "apply_chat_template", apply_chat_template)
+    monkeypatch.setattr(hf, "encode", encode)
+    monkeypatch.setattr(hf, "apply_chat_template", apply_chat_template)
+    assert tok.encode("ab") == encode("ab"), "the wrapper no longer forwards encode"
     assert hf.convert_tokens_to_ids("Hello") != encode("Hello")[0]  # merged vs bytes
 
 

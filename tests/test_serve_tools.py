@@ -21,9 +21,6 @@ from smoe.serve.tools import ToolCallSplitter
 from tests.serving import Running
 from tests.tool_model import CALL_ARGUMENTS, CALL_JSON, CALL_NAME, WEATHER_TOOL, tool_vault
 
-anthropic = pytest.importorskip("anthropic")
-ollama = pytest.importorskip("ollama")
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.asyncio
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

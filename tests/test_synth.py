@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from smoe.errors import SmoeError
 from smoe.synth import ARCHS, PRESETS, layout, synthesize, weights
 from smoe.synth.tokenizer import SPECIAL_TOKENS
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
@@ -306,7 +306,7 @@ def _mlx_config(d: Path) -> dict:
 # unquantized [E, H, 2I] tensors that transformers' save_pretrained writes.
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gpt_oss"])
 def test_mlx_lm_loads_and_matches_transformers(tiny: dict[str, Path], arch: str) -> None:
-    mx = pytest.importorskip("mlx.core")
+    import mlx.core as mx
     from mlx_lm.utils import load_model
     from transformers import AutoModelForCausalLM
 

@@ -65,7 +65,6 @@ def test_chat_data_is_chatml_and_deterministic():
 
 
 def test_the_shipped_checkpoint_has_the_scripts_geometry_and_tokenizer_size():
-    pytest.importorskip("torch")
     from train.demo.train import GEOMETRY
 
     shipped = json.loads((DEMO_SOURCE / "config.json").read_text())

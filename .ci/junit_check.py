@@ -1,0 +1,47 @@
+"""Judge a pytest JUnit report against tests/: fail unless every test file was collected and
+ran, nothing failed or errored, and nothing was skipped but the GPU tests (a test that
+skips on a CPU-only CI machine by design). A skip or a missing file elsewhere means a test
+that never ran, which a green exit code would hide (an importorskip of a package no extra
+installs, say)."""
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+MAY_SKIP = {"tests.test_gpu"}  # needs a CUDA GPU (pytest -m gpu on the device machine)
+
+report, tests_dir = Path(sys.argv[1]), Path(sys.argv[2])
+if not report.is_file():
+    sys.exit(f"CI fails: pytest wrote no report at {report} (did it start?)")
+outcomes: dict[str, Counter[str]] = {}
+problems = []
+for case in ET.parse(report).getroot().iter("testcase"):
+    # classname "tests.test_x" (or "tests.test_x.Class"); a collection error has none and
+    # names its module in "name" instead.
+    where = case.get("classname") or case.get("name", "?")
+    module = ".".join(where.split(".")[:2])
+    kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+    outcomes.setdefault(module, Counter())[kind] += 1
+    test = f"{where}::{case.get('name')}"
+    if kind in ("failure", "error"):
+        problems.append(f"{kind}: {test}")
+    elif kind == "skipped" and module not in MAY_SKIP:
+        reason = next(c for c in case if c.tag == "skipped").get("message", "")
+        problems.append(f"skipped: {test}: {reason}")
+
+files = sorted(f"tests.{p.stem}" for p in tests_dir.glob("test_*.py"))
+for module in files:
+    ran = outcomes.get(module, Counter())
+    if not ran:
+        problems.append(f"not collected: {module.replace('.', '/')}.py")
+    elif module not in MAY_SKIP and ran["passed"] == 0:
+        problems.append(f"nothing passed in {module.replace('.', '/')}.py: {dict(ran)}")
+
+total = sum(outcomes.values(), Counter())
+print(
+    f"junit: {len(files)} test files, {total['passed']} passed, {total['skipped']} skipped, "
+    f"{total['failure']} failed, {total['error']} errors"
+)
+if problems:
+    sys.exit("CI fails:\n  " + "\n  ".join(problems))
