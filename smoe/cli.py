@@ -44,8 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _terminate_as_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM takes SIGINT's path: inside asyncio.Runner that cancels the main task, so
+    the command's async cleanup (the engine's close) runs; raising here instead would leave
+    the loop mid-step with its reader threads alive."""
+    on_sigint = signal.getsignal(signal.SIGINT)
+    if callable(on_sigint) and on_sigint is not _terminate_as_interrupt:
+        on_sigint(signal.SIGINT, frame)  # default_int_handler raises; the Runner's cancels
+    else:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -59,7 +66,7 @@ def _interrupts_stop_the_command() -> Iterator[None]:
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     # default_int_handler, not ours: asyncio.Runner takes SIGINT over only from it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up temp output on kill too
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # clean up on kill too
     try:
         yield
     finally:
