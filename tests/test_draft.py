@@ -432,13 +432,14 @@ async def test_the_batcher_drafts_for_a_lone_request_and_steps_a_batch_plainly()
     await batcher.close()
 
 
-def test_a_gpu_refuses_drafting_before_loading():
-    """Drafting is exact where a verify pass's rows compute as single-token decode does
-    (MLX's CPU kernels); GPU kernels choose by row count, so a GPU refuses --draft."""
-    from smoe.engine.ring_plan import Device, check_draft
+def test_drafting_on_a_gpu_needs_the_per_row_attention():
+    """Under kernel rules (a GPU) a verify pass runs attention one row at a time, which
+    needs the architecture's per-row attention; the CPU drafts for any architecture."""
+    from smoe.compute.solo_rows import CUDA
+    from smoe.engine.ring_plan import check_draft
 
-    check_draft("ngram", Device(gpu=False, discrete=False))
-    check_draft(None, Device(gpu=True, discrete=True))
-    for gpu in (Device(gpu=True, discrete=True), Device(gpu=True, discrete=False)):
-        with pytest.raises(SmoeError, match="--draft is exact only on the CPU"):
-            check_draft("ngram", gpu)
+    check_draft("ngram", None, batchable=False)  # the CPU
+    check_draft("ngram", CUDA, batchable=True)
+    check_draft(None, CUDA, batchable=False)
+    with pytest.raises(SmoeError, match="--draft on a GPU needs per-row attention"):
+        check_draft("ngram", CUDA, batchable=False)

@@ -170,15 +170,21 @@ async def test_a_closed_engine_frees_its_staged_ring_while_still_referenced(vaul
     assert mx.get_active_memory() - before < ring_bytes // 4  # the backbone went too
 
 
-def test_a_gpu_decodes_one_request_at_a_time_and_refuses_a_batch():
-    """A batched pass is exact where each row computes as it would alone (MLX's CPU
-    kernels, above); GPU kernels choose by row count (on an H200 3 of 8 concurrent 4-bit
-    requests changed tokens: tests/test_gpu.py), so a GPU defaults to 1 and refuses more."""
-    from smoe.engine.ring_plan import CPU_BATCH, Device, batch_size
+def test_every_device_batches_and_a_gpu_gets_its_kernel_rules():
+    """A batched pass is exact where each row gets its solo bits: on the CPU always, on a
+    GPU through the kernel rules (smoe.compute.solo_rows), so every device batches 8 by
+    default; CUDA gets its measured rules, another GPU solo call shapes, the CPU none
+    unless forced (the CPU tests force them)."""
+    from smoe.compute.solo_rows import CUDA, SOLO_SHAPES
+    from smoe.engine.ring_plan import CPU_BATCH, Device, batch_size, kernel_rules
 
-    cpu = Device(gpu=False, discrete=False)
-    assert batch_size(None, cpu) == CPU_BATCH == 8 and batch_size(3, cpu) == 3
-    for gpu in (Device(gpu=True, discrete=True), Device(gpu=True, discrete=False)):
-        assert batch_size(None, gpu) == 1 and batch_size(1, gpu) == 1
-        with pytest.raises(SmoeError, match="--max-batch above 1 is exact only on the CPU"):
-            batch_size(2, gpu)
+    cpu, cuda, metal = (
+        Device(gpu=False, discrete=False),
+        Device(gpu=True, discrete=True),
+        Device(gpu=True, discrete=False),
+    )
+    for device in (cpu, cuda, metal):
+        assert batch_size(None, device) == CPU_BATCH == 8 and batch_size(3, device) == 3
+    assert kernel_rules(cpu, None) is None and kernel_rules(cpu, True) is CUDA
+    assert kernel_rules(cuda, None) is CUDA and kernel_rules(cuda, False) is None
+    assert kernel_rules(metal, None) is SOLO_SHAPES

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from smoe.compute.sharded import ExpertShard
+from smoe.compute.solo_rows import KernelRules
 from smoe.compute.speculation import RouterTap
 from smoe.compute.streaming import SlotSource, StreamingExperts
 from smoe.compute.switch import ring_modules
@@ -203,6 +204,7 @@ def build_model(
     tracer: Tracer | None = None,
     overlap: bool | None = None,
     shards: dict[int, ExpertShard] | None = None,
+    rules: KernelRules | None = None,
 ) -> nn.Module:
     """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
 
@@ -213,6 +215,8 @@ def build_model(
     ``overlap``: compute each expert as its read completes (default: on the CPU only).
     ``shards``: per MoE layer, this rank's experts and the sum over ranks (expert
     parallelism, compute/sharded.py); None: this process computes every expert.
+    ``rules``: the device's kernel rules; each expert call (or part of one) is shaped so
+    its rows get the reference call's kernel (compute/solo_rows.py); None: the CPU.
     Raises VaultError if the backbone lacks or has extra tensors.
     """
     _check_float_experts(vault, compute_dtype)
@@ -233,7 +237,7 @@ def build_model(
             raise VaultError(f"{vault.path}: {e}; convert the model again") from None
         shard = None if shards is None else shards[spec.layer]
         streaming = StreamingExperts(
-            inners, ring.locate, spec.layer, num_experts, source, tracer, overlap, shard
+            inners, ring.locate, spec.layer, num_experts, source, tracer, overlap, shard, rules
         )
         setattr(parent, attr, streaming)
 
@@ -256,6 +260,26 @@ def build_model(
         tracer.next_layer = dict(zip(layers, layers[1:], strict=False))
         tracer.num_experts = num_experts
     return model
+
+
+def moe_routers(model: nn.Module, vault: Vault) -> list[nn.Module]:
+    """Each MoE block's router (the module beside the streamed experts holding one weight
+    row per expert, inside its RouterTap if tapped) that is not a Linear: DeepSeek's
+    MoEGate and the like, row-wise modules whose matmul needs row pieces too."""
+    found = []
+    for spec in vault.manifest.layers:
+        block, _ = _resolve(model, spec.module)
+        for child in block.children().values():
+            target = child.router if isinstance(child, RouterTap) else child
+            weight = target.get("weight") if isinstance(target, nn.Module) else None
+            if (
+                isinstance(weight, mx.array)
+                and weight.ndim == 2
+                and weight.shape[0] == vault.manifest.num_experts
+                and not isinstance(target, nn.Linear | nn.QuantizedLinear | StreamingExperts)
+            ):
+                found.append(target)
+    return found
 
 
 def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:

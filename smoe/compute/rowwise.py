@@ -10,6 +10,11 @@ the kernels compute rows independently (tests/test_batching.py checks this bit f
 
 The model is handed, per layer, a ``RowCaches`` (the B sequences' caches of that layer)
 instead of one cache; masks it builds from it come back as ``RowMasks``.
+
+A verify pass (drafts) runs one sequence's L tokens at once. Where kernels round a
+several-row attention otherwise than one row (a GPU, docs/gpu.md), it is handed a
+``RowSequence`` per layer instead: the attention then runs the L rows one after another,
+each appending its keys and values to the cache first, as L decode steps would.
 """
 
 from __future__ import annotations
@@ -45,16 +50,42 @@ class RowCaches:
         return RowMasks([c.make_mask(n, **kwargs) for c in self.caches])
 
 
+class SequenceMask:
+    """Stands for the masks of a ``RowSequence``'s rows: each is made when its row runs
+    (a one-token step's mask at the cache's offset then), with these options."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+
+class RowSequence:
+    """One sequence's cache of one layer, passed where the model expects the cache, for a
+    pass whose query rows must each be computed as its own decode step."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __bool__(self) -> bool:  # mlx-lm tests ``if cache`` before ``cache.make_mask``
+        return True
+
+    def make_mask(self, n: int, **kwargs: Any) -> SequenceMask:
+        return SequenceMask(kwargs)
+
+
 class RowwiseAttention(nn.Module):
-    """Runs the wrapped attention once per row when given ``RowCaches``; otherwise (one
-    sequence, prefill, tests) it is the wrapped module unchanged."""
+    """Runs the wrapped attention once per row when given ``RowCaches`` (a batch: each
+    row with its own cache) or a ``RowSequence`` (one sequence's rows in turn, on its
+    cache); otherwise (one sequence, prefill, tests) it is the wrapped module unchanged."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        rows = _row_caches(args, kwargs)
+        sequence = _find(args, kwargs, RowSequence)
+        if sequence is not None:
+            return self._in_turn(x, sequence, args, kwargs)
+        rows = _find(args, kwargs, RowCaches)
         if rows is None:
             return self.inner(x, *args, **kwargs)
         # x: [B, 1, D] -> B calls on [1, 1, D], each with its own cache and mask
@@ -65,10 +96,30 @@ class RowwiseAttention(nn.Module):
             outs.append(self.inner(x[i : i + 1], *row_args, **row_kwargs))
         return mx.concatenate(outs, axis=0)
 
+    def _in_turn(
+        self, x: mx.array, sequence: RowSequence, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> mx.array:
+        """x: [1, L, D] -> L calls on [1, 1, D], row j after rows < j are in the cache."""
+        cache = sequence.cache
+        outs = []
+        for j in range(x.shape[1]):
 
-def _row_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RowCaches | None:
+            def pick(value: Any) -> Any:
+                if isinstance(value, RowSequence):
+                    return cache
+                if isinstance(value, SequenceMask):
+                    return cache.make_mask(1, **value.options)
+                return value
+
+            row_args = [pick(a) for a in args]
+            row_kwargs = {k: pick(v) for k, v in kwargs.items()}
+            outs.append(self.inner(x[:, j : j + 1], *row_args, **row_kwargs))
+        return mx.concatenate(outs, axis=1)
+
+
+def _find(args: tuple[Any, ...], kwargs: dict[str, Any], kind: type) -> Any:
     for a in (*args, *kwargs.values()):
-        if isinstance(a, RowCaches):
+        if isinstance(a, kind):
             return a
     return None
 

@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
+from smoe.compute.solo_rows import KernelRules, solo_rows
 
 
 @dataclass
@@ -130,6 +131,11 @@ class Runner:
     served from device tables, no routing read back): then a sequence decoding alone is
     built one step ahead, as mlx-lm's ``generate_step`` does, so the device computes step
     n+1 while the host hands out token n (see ``step``).
+
+    ``rules``: where a row's bits depend on the rows sharing its kernel call (a GPU), the
+    device's kernel rules; batched and verify passes then run in ``solo_rows``, so each
+    row gets its solo decode step's bits (smoe.compute.solo_rows), and a verify pass runs
+    attention one row after another. None: the kernels compute rows alone (the CPU).
     """
 
     def __init__(
@@ -142,8 +148,10 @@ class Runner:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         drafting: Drafting | None = None,
+        rules: KernelRules | None = None,
     ) -> None:
         self.model = model
+        self.rules = rules
         self.drafting = drafting  # prompt-lookup drafts (step_draft); None: off
         self.chunk = chunk
         # Quantized KV cache (mlx-lm's, from the first token: generate_step with
@@ -404,7 +412,8 @@ class Runner:
         tokens = mx.array([s.tokens[-1:] for s in seqs])  # [B, 1]
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
         try:
-            y = self.model(tokens, cache=caches)  # [B, 1, V]
+            with solo_rows(self.rules):
+                y = self.model(tokens, cache=caches)  # [B, 1, V]
             for s in seqs:
                 self._quantize(s.cache)
             mx.eval(y)
@@ -465,11 +474,16 @@ class Runner:
         the tokens appended to ``seq.tokens`` (1 to len(draft) + 1)."""
         from mlx_lm.models.cache import trim_prompt_cache
 
+        from smoe.compute.rowwise import RowSequence
+
         self.settle(seq)
         self._phase(1)
         base = len(seq.tokens)
+        # Under kernel rules each row is its own decode step, attention included.
+        cache = seq.cache if self.rules is None else [RowSequence(c) for c in seq.cache]
         try:
-            y = self.model(mx.array([seq.tokens[-1], *draft])[None], cache=seq.cache)
+            with solo_rows(self.rules):
+                y = self.model(mx.array([seq.tokens[-1], *draft])[None], cache=cache)
             self._quantize(seq.cache)
             mx.eval(y)  # [1, k+1, V]: position j's logits give the token after draft[:j]
             self._counted()

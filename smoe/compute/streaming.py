@@ -18,8 +18,9 @@ import mlx.nn as nn
 import numpy as np
 
 from smoe.compute.sharded import ExpertShard
+from smoe.compute.solo_rows import KernelRules, expert_call, reference_rows_of
 from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead
-from smoe.compute.switch import Parts, switch_call
+from smoe.compute.switch import Parts
 from smoe.compute.tracing import LayerTrace, Tracer
 from smoe.sched.hints import runner_ups
 
@@ -111,6 +112,7 @@ class StreamingExperts(nn.Module):
         tracer: Tracer | None = None,
         overlap: bool = True,
         shard: ExpertShard | None = None,
+        rules: KernelRules | None = None,
     ) -> None:
         super().__init__()
         # overlap: compute each expert as its read completes. Exact only where kernels
@@ -125,6 +127,10 @@ class StreamingExperts(nn.Module):
         # Expert parallelism: this rank computes only its experts; the sum over ranks
         # completes the layer (compute/sharded.py). None: one process computes them all.
         object.__setattr__(self, "_shard", shard)
+        # How the device's kernels treat a call's rows (smoe.compute.solo_rows): each
+        # call, or part of one, is shaped to give its rows the reference call's kernel.
+        # None: rows never depend on the call (the CPU).
+        object.__setattr__(self, "_rules", rules)
         self.layer = layer
         self.num_experts = num_experts
 
@@ -143,18 +149,20 @@ class StreamingExperts(nn.Module):
                 tracer.step.deferred.append((self.layer, indices, self._source))
                 tracer.step.gates.pop(self.layer, None)  # kept for hints: none needed here
             bank, table = resident
-            return self._inners[bank](x, table[indices])
+            ref = reference_rows_of(indices.size, indices.shape[-1])
+            return expert_call(self._inners[bank], x, table[indices], self._rules, ref)
         idx = np.array(indices)  # evaluates the routing from the true hidden state
         seen = self._observe(idx) if tracer is not None else _Seen()
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
+        ref = reference_rows_of(idx.size, idx.shape[-1])  # rows of the call judged against
         in_ring = 0
         if len(experts) <= capacity:
             run = self._run_overlapped if self.overlap else self._run_whole
-            y, in_ring = run(x, idx, experts)
+            y, in_ring = run(x, idx, experts, ref)
             waves = 1
         else:
-            y, waves = self._run_in_waves(x, idx, experts, capacity)
+            y, waves = self._run_in_waves(x, idx, experts, capacity, ref)
         if tracer is not None:
             self._after(tracer, x, idx, seen)
             tracer.counters.calls.append(
@@ -173,11 +181,12 @@ class StreamingExperts(nn.Module):
         seen = self._observe(idx) if tracer is not None else _Seen()
         mine = self._shard.mine(np.unique(idx).tolist())
         capacity = self._source.capacity()
+        ref = reference_rows_of(idx.size, idx.shape[-1])
         y, waves = None, 1
         if not self.overlap and mine and len(mine) <= capacity:
-            y = self._whole_share(x, idx, mine)
+            y = self._whole_share(x, idx, mine, ref)
         if y is None:
-            y, waves = self._run_in_waves(x, idx, mine, capacity)
+            y, waves = self._run_in_waves(x, idx, mine, capacity, ref)
         try:
             y = self._shard.reduce(y)
             mx.eval(y)
@@ -191,7 +200,9 @@ class StreamingExperts(nn.Module):
             tracer.counters.unique_experts += len(mine)
         return y
 
-    def _whole_share(self, x: mx.array, idx: np.ndarray, mine: list[int]) -> mx.array | None:
+    def _whole_share(
+        self, x: mx.array, idx: np.ndarray, mine: list[int], ref: int
+    ) -> mx.array | None:
         """This rank's share in mlx-lm's one call of the whole layer (where the kernels'
         bits depend on the call's shape: a GPU). Other ranks' experts are computed on one
         of this rank's pinned slots and then replaced by exact zeros, so the call has the
@@ -206,7 +217,7 @@ class StreamingExperts(nn.Module):
                 return None
             table = np.full(self.num_experts, located[0][1], dtype=np.uint32)
             table[mine] = [local for _, local in located]
-            y = switch_call(self._inners[located[0][0]], x, mx.array(table[idx]), False)
+            y = expert_call(self._inners[located[0][0]], x, mx.array(table[idx]), self._rules, ref)
             owned = mx.array(self._shard.owned[idx])[..., None]  # [..., k, 1]
             y = mx.where(owned, y, mx.zeros_like(y))
             mx.eval(y)  # done reading the slots before they are released
@@ -255,26 +266,28 @@ class StreamingExperts(nn.Module):
             look_ahead(tracer, self._source, self.layer, x, idx, prefetch=looking)
 
     def _run(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], sort: bool = False
+        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int, sort: bool = False
     ) -> mx.array:
         slots = self._source.acquire(self.layer, experts)
         try:
-            return self._compute(x, idx, experts, slots, sort)
+            return self._compute(x, idx, experts, slots, ref, sort)
         finally:
             self._source.release(slots)
 
-    def _run_whole(self, x: mx.array, idx: np.ndarray, experts: list[int]) -> tuple[mx.array, int]:
+    def _run_whole(
+        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int
+    ) -> tuple[mx.array, int]:
         """Wait for every expert of the layer, then compute them in one call."""
         lease = self._source.reserve(self.layer, experts)
         try:
             resident = int(sum(lease.ready))
             lease.wait()
-            return self._compute(x, idx, experts, lease.slots), resident
+            return self._compute(x, idx, experts, lease.slots, ref), resident
         finally:
             lease.release()  # the one release, also when a read failed
 
     def _run_overlapped(
-        self, x: mx.array, idx: np.ndarray, experts: list[int]
+        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int
     ) -> tuple[mx.array, int]:
         """Compute each expert as soon as its slot is READY: the resident ones at once,
         the misses in the order their reads complete. Returns the output and how many
@@ -283,7 +296,7 @@ class StreamingExperts(nn.Module):
         try:
             resident = int(sum(lease.ready))
             if resident == len(experts):
-                return self._compute(x, idx, experts, lease.slots), resident
+                return self._compute(x, idx, experts, lease.slots, ref), resident
             parts = Parts(x, idx)
             pending = list(range(len(experts)))
             ready = [i for i in pending if lease.ready[i]]
@@ -294,7 +307,8 @@ class StreamingExperts(nn.Module):
                 part = [experts[i] for i in ready]
                 slots = [lease.slots[i] for i in ready]
                 parts.add(
-                    part, lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s, parts.sorted)
+                    part,
+                    lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s, ref, parts.sorted),
                 )
                 ready = []
             return parts.result(), resident
@@ -307,6 +321,7 @@ class StreamingExperts(nn.Module):
         idx: np.ndarray,
         experts: list[int],
         slots: list[int],
+        ref: int,
         sort: bool = False,
     ) -> mx.array:
         """mlx-lm's expert computation on ring slots; evaluated before returning.
@@ -315,13 +330,15 @@ class StreamingExperts(nn.Module):
         ``slots``. One call when the slots share a bank (as mlx-lm's call, ids remapped
         to slots); else each (token, rank) pair is computed in its expert's bank. ``sort``:
         this is a part of a call mlx-lm makes with its rows sorted by expert (64 or more),
-        so the part is computed the same way whatever its size (``switch_call``)."""
+        so the part is computed the same way whatever its size (``switch_call``). ``ref``:
+        the (token, rank) rows of the call these rows are judged against
+        (``solo_rows.expert_call``)."""
         located = [self._locate(s) for s in slots]
         banks = sorted({b for b, _ in located})
         if len(banks) == 1:
             table = np.zeros(self.num_experts, dtype=np.uint32)
             table[experts] = [local for _, local in located]
-            y = switch_call(self._inners[banks[0]], x, mx.array(table[idx]), sort)
+            y = expert_call(self._inners[banks[0]], x, mx.array(table[idx]), self._rules, ref, sort)
             mx.eval(y)  # the matmuls must be done reading the slots before they are released
             return y
         parts = Parts(x, idx)
@@ -330,11 +347,13 @@ class StreamingExperts(nn.Module):
             mine = [i for i, (b, _) in enumerate(located) if b == bank]
             part = [experts[i] for i in mine]
             slots_b = [slots[i] for i in mine]
-            parts.add(part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s, sort))
+            parts.add(
+                part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s, ref, sort)
+            )
         return parts.result()
 
     def _run_in_waves(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], capacity: int
+        self, x: mx.array, idx: np.ndarray, experts: list[int], capacity: int, ref: int
     ) -> tuple[mx.array, int]:
         """Run ``experts`` in waves of at most ``capacity`` (the union does not fit the
         ring, or a rank computes its share of the call).
@@ -350,6 +369,6 @@ class StreamingExperts(nn.Module):
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, parts.sorted))
+            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, ref, parts.sorted))
             waves += 1
         return parts.result(), waves

@@ -4,6 +4,8 @@
   parameters replaced by the bank's arrays, so it computes on slots in place;
 - ``switch_call``: that module's call, optionally with rows sorted by expert as mlx-lm
   sorts a large call, so a part of such a call uses the same kernels;
+- ``unsorted_call``: the same call never sorted, however many rows (each row then runs
+  the per-row kernel a decode step's small call runs: smoe.compute.solo_rows);
 - ``Parts``: the one scatter helper, assembling a call's output from parts computed
   separately (waves, banks, experts as their reads complete) at their (token, rank)
   positions, so the block's combination is the single call's.
@@ -114,3 +116,23 @@ def switch_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) -
             module.activation(module.fc1(x, idx, sorted_indices=True)), idx, sorted_indices=True
         )
     return sl._scatter_unsort(x, inv_order, indices.shape).squeeze(-2)
+
+
+def unsorted_call(module: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
+    """``module(x, indices)`` with its rows left in token order even from SORT_FROM rows
+    up: mlx-lm's unsorted path (SwitchGLU/SwitchMLP.__call__ with do_sort False). On CUDA
+    an unsorted float gather computes each row alone, as in a one-token call; a sorted
+    one runs a grouped GEMM (docs/gpu.md)."""
+    from mlx_lm.models import switch_layers as sl
+
+    if indices.size < SORT_FROM or not isinstance(module, sl.SwitchGLU | sl.SwitchMLP):
+        return module(x, indices)
+    x = mx.expand_dims(x, (-2, -3))
+    indices = mx.stop_gradient(indices)
+    if isinstance(module, sl.SwitchGLU):
+        x_up = module.up_proj(x, indices)
+        x_gate = module.gate_proj(x, indices)
+        x = module.down_proj(module.activation(x_up, x_gate), indices)
+    else:
+        x = module.fc2(module.activation(module.fc1(x, indices)), indices)
+    return x.squeeze(-2)

@@ -43,6 +43,7 @@ from smoe.engine.ring_plan import (
     check_kv_bits,
     choose_device,
     current_device,
+    kernel_rules,
     plan_ring,
 )
 from smoe.errors import SmoeError
@@ -65,6 +66,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("smoe.engine")
 
 
+def _batchable(model_type: str) -> bool:
+    """Whether S-MoE runs this architecture's attention one row per call (batched decode,
+    and verify passes under kernel rules; smoe.compute.rowwise)."""
+    from smoe.models.registry import architecture
+
+    arch = architecture(model_type)
+    return arch is not None and arch.batched_decode
+
+
 class Engine(GroupAPI):
     """A vault (or a checkpoint folder, streamed from its shards) opened for inference.
     Create with ``Engine.open`` and use as ``async with``."""
@@ -82,6 +92,7 @@ class Engine(GroupAPI):
         self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
         self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
         self.max_batch = 1  # generations decoded together: options.max_batch on this device
+        self.rules: Any = None  # the device's kernel rules (smoe.compute.solo_rows), or None
 
     @classmethod
     def open(
@@ -141,7 +152,10 @@ class Engine(GroupAPI):
         self._device = choose_device(o.device)
         self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
         check_kv_bits(o.kv_bits, current_device(self._device))
-        check_draft(o.draft, current_device(self._device))
+        # How this device's kernels treat a call's rows: batched and verify passes are
+        # shaped by these so each row gets its solo bits (smoe.compute.solo_rows).
+        self.rules = kernel_rules(current_device(self._device), o.solo_rows)
+        check_draft(o.draft, self.rules, _batchable(self.vault.config()["model_type"]))
         self.max_batch = batch_size(o.max_batch, current_device(self._device))
         return plan_ring(
             self.vault,
@@ -257,13 +271,20 @@ class Engine(GroupAPI):
     def _build(self) -> Runner:
         import mlx.core as mx
 
-        from smoe.compute.model import build_model
-        from smoe.compute.rowwise import install_rowwise_attention
+        from smoe.compute.model import build_model, moe_routers
+        from smoe.compute.rowwise import RowwiseAttention, install_rowwise_attention
+        from smoe.compute.solo_rows import install_row_pieces
+        from smoe.compute.streaming import StreamingExperts
 
         mx.set_default_device(self._device)  # the compute thread's MLX work
         source, shards = (self.slots, None) if self.ranks is None else self.ranks.shards(self.slots)
-        model = build_model(self.vault, self.ring, source, self.dtype, self.tracer, shards=shards)
+        model = build_model(
+            self.vault, self.ring, source, self.dtype, self.tracer, shards=shards, rules=self.rules
+        )
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
+        if self.rules is not None:  # after the attention wrap: its rows already run alone
+            skip = (RowwiseAttention, StreamingExperts)
+            install_row_pieces(model, skip, moe_routers(model, self.vault))
         layers = len(self.vault.manifest.layers)
         o = self.options
         return Runner(
@@ -278,6 +299,7 @@ class Engine(GroupAPI):
                 self.slots.all_resident(layers) and not self.tracer.needs_routing_now()
             ),
             drafting=Drafting.named(o.draft, o.draft_tokens) if o.draft else None,
+            rules=self.rules,
         )
 
     def _load_tokenizer(self) -> Any:

@@ -33,9 +33,12 @@ class EngineOptions:
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
-    # generations decoded together (1: one at a time); None: 8 on the CPU, 1 on a GPU,
-    # where a batch's kernels round differently (smoe.engine.ring_plan.batch_size)
+    # generations decoded together (1: one at a time); None: 8 (smoe.engine.ring_plan)
     max_batch: int | None = None
+    # Shape batched and verify passes so each row gets its solo bits (smoe.compute.
+    # solo_rows): None: where kernels need it (a GPU); True: also on the CPU (tests);
+    # False: never (to measure what it costs; a GPU batch may then change tokens).
+    solo_rows: bool | None = None
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
     ring: str = "auto"  # "unified", "staged" or "auto" (smoe.engine.ring_plan)
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)

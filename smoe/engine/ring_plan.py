@@ -170,37 +170,42 @@ def check_kv_bits(kv_bits: int | None, device: Device) -> None:
         )
 
 
-def check_draft(draft: str | None, device: Device) -> None:
-    """--draft is lossless where a verify pass's row j has plain decode's bits: MLX's CPU
-    kernels (tests/test_draft.py). GPU kernels pick their algorithm by the call's row count
-    (docs/gpu.md), and on an H200 drafted greedy tokens left plain decoding's on the demo
-    (docs/draft.md), so a GPU refuses drafting rather than change the output."""
-    if draft is not None and device.gpu:
+def kernel_rules(device: Device, forced: bool | None) -> Any:
+    """How the device's kernels treat a call's rows (smoe.compute.solo_rows.KernelRules),
+    or None where a row's bits never depend on the rows sharing its call (MLX's CPU
+    kernels: tests/test_batching.py). ``forced``: True applies CUDA's measured rules
+    anywhere (the CPU tests run the path this way), False none (the cost of the path is
+    measured against it); None: CUDA's on a CUDA GPU, solo call shapes on another GPU
+    (Metal: not measured), none on the CPU."""
+    from smoe.compute.solo_rows import CUDA, SOLO_SHAPES
+
+    if forced is not None:
+        return CUDA if forced else None
+    if device.discrete:
+        return CUDA
+    return SOLO_SHAPES if device.gpu else None
+
+
+def check_draft(draft: str | None, rules: Any, batchable: bool) -> None:
+    """--draft is lossless where a verify pass's row j gets plain decode's bits: on the
+    CPU always; under kernel rules (a GPU) each row is shaped as its own decode step,
+    which runs attention one row at a time and needs the architecture's per-row
+    attention (smoe.compute.rowwise, ``batched_decode`` in smoe.models.registry)."""
+    if draft is not None and rules is not None and not batchable:
         raise SmoeError(
-            "--draft is exact only on the CPU: on a GPU a verify pass's kernels round "
-            "differently from single-token decode and can change the tokens; leave --draft "
-            "out there, or add --device cpu"
+            "--draft on a GPU needs per-row attention, which S-MoE has not tested for this "
+            "architecture: leave --draft out there, or add --device cpu"
         )
 
 
-CPU_BATCH = 8  # generations decoded together on the CPU unless told otherwise
+CPU_BATCH = 8  # generations decoded together unless told otherwise
 
 
 def batch_size(max_batch: int | None, device: Device) -> int:
-    """Generations decoded together. A batched pass is exact where each row gets the
-    single-row arithmetic: MLX's CPU kernels (tests/test_batching.py). GPU kernels pick
-    their algorithm by the call's row count: on an H200, 3 of 8 concurrent 4-bit requests
-    left their solo tokens (tests/test_gpu.py, docs/gpu.md), so a GPU decodes one at a
-    time by default and refuses a larger batch rather than change the output."""
-    if max_batch is None:
-        return 1 if device.gpu else CPU_BATCH
-    if max_batch > 1 and device.gpu:
-        raise SmoeError(
-            "--max-batch above 1 is exact only on the CPU: on a GPU a batched pass's "
-            "kernels round differently from one request's and can change its tokens; leave "
-            "--max-batch out there (1), or add --device cpu"
-        )
-    return max_batch
+    """Generations decoded together: ``max_batch``, else 8 on every device. A batched
+    pass is exact where each row gets the single-row arithmetic: MLX's CPU kernels
+    (tests/test_batching.py), and on a GPU the kernel rules (smoe.compute.solo_rows)."""
+    return CPU_BATCH if max_batch is None else max_batch
 
 
 def current_device(device: Any) -> Device:
