@@ -435,8 +435,8 @@ def add_serve(sub: Any) -> None:
         "--max-batch",
         type=int,
         default=None,
-        help="requests decoded together, one token each per step (default 8 on the CPU; "
-        "1 on a GPU, where a batch would change the tokens)",
+        help="requests decoded together, one token each per step (default 8; each gets "
+        "the tokens it gets alone, on a GPU too: docs/gpu.md)",
     )
     sv.add_argument(
         "--prefix-cache",
