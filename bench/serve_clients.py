@@ -3,6 +3,7 @@ against one request at a time, measured in the same run.
 
     python bench/serve_clients.py VAULT [--clients 1,2,4,8] [--max-tokens 32]
                                         [--prompt-tokens 16] [--memory SIZE] [--text FILE]
+                                        [--fill] [--solo-rows auto|on|off]
 
 Starts the server in-process on a free port and drives it over HTTP (aiohttp). For
 each client count it runs the batched server (max_batch 8) and the one-at-a-time server
@@ -11,7 +12,9 @@ random prompts (random token ids, or with --text slices of that text at random
 offsets; prefix reuse is off, so both prefill them fully); ``same_text`` says
 whether every client got the same completion both ways. Every client asks for exactly
 --max-tokens (no stop at EOS). Prints JSON; total_tok_s counts completion tokens over
-the wall time of the whole round, prefill included.
+the wall time of the whole round, prefill included. --fill reads every expert first (a
+ring that holds them all: the resident case); --solo-rows sets the kernel rules
+(smoe.compute.solo_rows; auto: the device's).
 """
 
 import argparse
@@ -43,11 +46,18 @@ async def main() -> None:
     )
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--text", default=None, help="prompts cut from this text file")
+    p.add_argument("--fill", action="store_true", help="read every expert before timing")
+    p.add_argument("--solo-rows", default="auto", choices=["auto", "on", "off"])
     args = p.parse_args()
+    solo = {"auto": None, "on": True, "off": False}[args.solo_rows]
     rng = random.Random(0)
     rows = []
     ring = ring_options(args.vault, args.memory)
-    async with Engine.open(args.vault, max_batch=args.max_batch, **ring) as engine:
+    async with Engine.open(args.vault, max_batch=args.max_batch, solo_rows=solo, **ring) as engine:
+        if args.fill:
+            from smoe.bench.resident import fill_ring
+
+            await fill_ring(engine)
         vocab = engine.vault.manifest.shape.vocab_size
         eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
         words = [t for t in range(3, vocab) if t not in eos]
@@ -142,6 +152,7 @@ async def main() -> None:
             if r["max_batch"] > 1:
                 r["vs_single_client"] = round(r["total_tok_s"] / single, 2)
         ring = {"slots": engine.ring.num_slots, "experts": engine.vault.manifest.num_records}
+        rules = None if engine.rules is None else engine.rules.measured
     print(
         json.dumps(
             {
@@ -149,6 +160,8 @@ async def main() -> None:
                 "vault": args.vault,
                 "memory": args.memory,
                 "ring": ring,
+                "filled": args.fill,
+                "kernel_rules": rules,
                 "max_tokens": args.max_tokens,
                 "prompt_tokens": args.prompt_tokens,
                 "runs": rows,
