@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from smoe.bench.resident import fill_ring
 from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, RowPieces, RowPiecesEmbedding, expert_call, solo_rows
 from smoe.engine import Engine
@@ -171,6 +172,36 @@ async def test_waves_keep_the_tiled_kernel_of_a_top8_call(vaults, monkeypatch):
                 assert check(rows) >= VECTOR_BELOW, rows
             else:
                 assert min(rows) < VECTOR_BELOW, rows
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
+@pytest.mark.parametrize(("top_k", "bits"), [(2, 4), (8, 4), (8, 16)])
+async def test_a_lone_request_makes_the_same_calls_with_and_without_the_rules(
+    vaults, monkeypatch, top_k, bits
+):
+    """What the rules cost one request (bench/solo_rows_cost.py measures it on a GPU): a
+    lone decode step's calls already have its reference's shapes, so with every expert
+    resident the rules change no call: the same ops with the same rows, in the same order."""
+    calls = Calls(monkeypatch)
+    vault = vaults(top_k, bits=bits, backbone_bits=8)
+    prompt = prompts(1)[0]
+    seen = []
+    for forced in (True, False):
+        every = vault.manifest.num_records
+        async with Engine.open(vault.path, slots=every, solo_rows=forced) as engine:
+            await fill_ring(engine)
+            seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+            calls.rows.clear()
+            calls.on = True
+            try:
+                for _ in range(STEPS):
+                    await engine.compute.run(engine.runner.step, seq)
+            finally:
+                calls.on = False
+            seen.append((dict(calls.rows), list(seq.tokens)))
+    (ruled, ruled_tokens), (plain, plain_tokens) = seen
+    assert ruled and ruled == plain
+    assert ruled_tokens == plain_tokens
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour

@@ -5,10 +5,12 @@
 #   fingerprint  which ops change a row's bits with the row count (bench/gpu/row_fingerprint.py)
 #   serve     `smoe serve` aggregate tok/s at 1, 2, 4, 8 clients, batched against one at a
 #             time, at a 5% ring and with every expert resident (bench/serve_clients.py),
-#             for the q235 vault and the trained demo
+#             for the q235 vault and the trained demo (SERVE_VAULTS picks: q235 demo)
 #   draft     --draft ngram and an oracle against plain decode at 5% and 50% rings
 #             (bench/draft.py)
 #   cost      resident decode with the kernel rules against without (bench/solo_rows_cost.py)
+#   timeline  a batched step's host build, evaluation and read-back at 1-8 rows, rules on
+#             and off (bench/batch_build_cost.py), for the q235 vault and the trained demo
 #   tests     the exactness tests (tests/test_gpu.py; SMOE_GPU_ARCHS / SMOE_GPU_BITS pick)
 # JSON goes to $OUT, the log to $OUT/issue26.log, the tests' comparisons to
 # $OUT/gpu-tests.jsonl. The tests need pytest>=8.4 and pytest-asyncio>=1.4, newer than the
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DATA=${DATA:-/tmp/data}; mkdir -p "$DATA"
 V=$DATA/q235-16
-STEPS=${STEPS:-build fingerprint serve draft cost tests}
+STEPS=${STEPS:-build fingerprint serve draft cost timeline tests}
 export SMOE_CACHE=$DATA/cache
 demo() { python3 -c 'from smoe.chat.demo import demo_vault; print(demo_vault())'; }
 {
@@ -35,11 +37,15 @@ for step in $STEPS; do
     for ring in ${SERVE_RINGS:-5% all}; do
       fill=""; [ "$ring" = all ] && fill=--fill
       name=${ring%\%}
-      python3 bench/serve_clients.py "$V" --memory "$ring" $fill --clients ${CLIENTS:-1,2,4,8} \
-        --max-tokens ${SERVE_TOKENS:-32} --prompt-tokens 16 > "$OUT/serve_q235_$name.json"
-      python3 bench/serve_clients.py "$(demo)" --memory "$ring" $fill \
-        --clients ${CLIENTS:-1,2,4,8} --max-tokens 64 --prompt-tokens 16 \
-        > "$OUT/serve_demo_$name.json"
+      case " ${SERVE_VAULTS:-q235 demo} " in *" q235 "*)
+        python3 bench/serve_clients.py "$V" --memory "$ring" $fill --clients ${CLIENTS:-1,2,4,8} \
+          --max-tokens ${SERVE_TOKENS:-32} --prompt-tokens 16 > "$OUT/serve_q235_$name.json" ;;
+      esac
+      case " ${SERVE_VAULTS:-q235 demo} " in *" demo "*)
+        python3 bench/serve_clients.py "$(demo)" --memory "$ring" $fill \
+          --clients ${CLIENTS:-1,2,4,8} --max-tokens 64 --prompt-tokens 16 \
+          > "$OUT/serve_demo_$name.json" ;;
+      esac
     done ;;
   draft)
     for ring in ${DRAFT_RINGS:-5% 50%}; do
@@ -52,6 +58,9 @@ for step in $STEPS; do
   cost)
     python3 bench/solo_rows_cost.py "$V" --device gpu --rounds ${COST_ROUNDS:-4} \
       --tokens 64 > "$OUT/solo_rows_cost_q235.json" ;;
+  timeline)
+    python3 bench/batch_build_cost.py "$V" --device gpu > "$OUT/batch_build_cost_q235.json"
+    python3 bench/batch_build_cost.py "$(demo)" --device gpu > "$OUT/batch_build_cost_demo.json" ;;
   tests)
     SMOE_GPU_REPORT=$OUT/gpu-tests.jsonl python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 ;;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -78,12 +78,22 @@ class Sequence_:
     # and that pass's deferred routing, counted once it is evaluated.
     ahead: mx.array | None = None
     ahead_routing: Any = None  # a DeferredRouting, or None
+    ahead_pass: BatchPass | None = None  # the batched pass ``ahead`` is a row of, if any
     params: SamplingParams | None = None  # set by Runner.prepare (drafting reads it)
     governor: Any = None  # a DraftGovernor once Runner.step_draft has run on it
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
         return max(0, len(self.tokens) - 1 - self.cached)
+
+
+@dataclass(eq=False)
+class BatchPass:
+    """A batched decode pass built ahead (Runner.step_batch): each row's next token, and
+    the pass's routing, counted when its tokens are first read (None once counted)."""
+
+    tokens: mx.array  # [B] lazy
+    routing: Any = None
 
 
 def cache_nbytes(seq: Sequence_) -> int:
@@ -272,7 +282,7 @@ class Runner:
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         seq.cache, seq.cached = self.new_cache(), 0
-        seq.ahead, seq.ahead_routing = None, None
+        seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
         if self.tracer is not None:
             self.tracer.step.deferred.clear()  # that pass's routing is not counted
 
@@ -345,8 +355,9 @@ class Runner:
                 token = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
                 routing = self._queue(token)
             else:
+                # (a row of a batched pass, too: its token and cache entry are its own)
                 token, routing = seq.ahead, seq.ahead_routing
-                seq.ahead, seq.ahead_routing = None, None
+                seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
             if more:
                 # token [1] feeds the next pass lazily: it puts this token's keys and
                 # values in the cache and samples the one after it.
@@ -384,7 +395,7 @@ class Runner:
 
         if seq.ahead is not None:
             trim_prompt_cache(seq.cache, 1)
-            seq.ahead, seq.ahead_routing = None, None
+            seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
 
     def step_batch(self, seqs: list[Sequence_], more: bool = True) -> list[int]:
         """One decode step of every sequence in ``seqs`` together: per MoE layer the union
@@ -393,8 +404,76 @@ class Runner:
         see ``step`` (False when no sequence will be stepped again)."""
         if len(seqs) == 1 or not self.batchable:
             return [self.step(s, more) for s in seqs]
+        if all(self._can_build_ahead(s) for s in seqs):
+            return self._step_batch_ahead(seqs, more)
         y = self._forward_batch(seqs)  # [B, 1, V]
-        return [self._sample(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
+        tokens = mx.concatenate(  # [B]: every row's draw, read back in one sync
+            [self._draw(s, y[i : i + 1, -1, :], len(s.tokens)) for i, s in enumerate(seqs)]
+        )
+        return self._append(seqs, tokens)
+
+    def _step_batch_ahead(self, seqs: list[Sequence_], more: bool) -> list[int]:
+        """``step_batch`` with the next batched pass queued before this step's tokens are
+        read back, as ``_step_ahead`` does for one sequence. The pass built ahead is used
+        when every row comes from it (rows may have left the batch since: those rows are
+        settled by their next use); any other batch settles its rows and runs afresh."""
+        self._phase(1)
+        try:
+            built = seqs[0].ahead_pass
+            if built is not None and all(s.ahead_pass is built for s in seqs):
+                now = mx.concatenate([s.ahead for s in seqs if s.ahead is not None])  # [B]
+                assert now.shape == (len(seqs),), "a row of a pass built ahead lost its token"
+                routing, built.routing = built.routing, None  # one count per pass
+                for s in seqs:
+                    s.ahead, s.ahead_routing, s.ahead_pass = None, None, None
+            else:
+                for s in seqs:
+                    self.settle(s)
+                last = mx.array([s.tokens[-1] for s in seqs])  # [B]
+                now, routing = self._build_batch(seqs, last, 0)
+            if more:
+                # now [B] feeds the next pass lazily, as in _step_ahead.
+                nxt, nxt_routing = self._build_batch(seqs, now, 1)
+                built = BatchPass(nxt, nxt_routing)
+                for i, s in enumerate(seqs):
+                    s.ahead, s.ahead_pass = nxt[i : i + 1], built
+                self.built_ahead += 1
+            values = cast(list[int], now.tolist())  # waits for this step's pass only
+            if self.tracer is not None:
+                self.tracer.count(routing)
+        except BaseException:
+            for s in seqs:
+                self.reset(s)
+            raise
+        for s, value in zip(seqs, values, strict=True):
+            s.cached = len(s.tokens)
+            s.tokens.append(value)
+        return values
+
+    def _build_batch(
+        self, seqs: list[Sequence_], last: mx.array, offset: int
+    ) -> tuple[mx.array, Any]:
+        """Queue the lazy batched pass on ``last`` [B] (row i: ``seqs[i]``'s last token,
+        ``offset`` tokens past ``seqs[i].tokens``); return its sampled tokens [B] and its
+        routing (``_queue``)."""
+        from smoe.compute.rowwise import RowCaches
+
+        caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
+        with solo_rows(self.rules):
+            y = self.model(last[:, None], cache=caches)  # [B, 1, V]
+        for s in seqs:
+            self._quantize(s.cache)
+        tokens = mx.concatenate(
+            [self._draw(s, y[i : i + 1, -1, :], len(s.tokens) + offset) for i, s in enumerate(seqs)]
+        )
+        return tokens, self._queue(tokens)
+
+    def _append(self, seqs: list[Sequence_], tokens: mx.array) -> list[int]:
+        """Read ``tokens`` [B] back (one sync) and append row i's to ``seqs[i]``."""
+        values = cast(list[int], tokens.tolist())
+        for s, value in zip(seqs, values, strict=True):
+            s.tokens.append(value)
+        return values
 
     def next_logits_batch(self, seqs: list[Sequence_]) -> np.ndarray:
         """``next_logits`` of each sequence, from one batched pass: [B, vocab] float32."""
