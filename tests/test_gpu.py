@@ -271,14 +271,17 @@ async def test_the_issues_four_slot_case_equals_mlx_lm(models):
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
+@pytest.mark.parametrize("ring", ["quarter", "resident"])
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("arch", ARCHS)
-async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, models):
-    """Eight concurrent greedy requests at a quarter ring, decoded together (8 rows per
-    pass), each equal to its solo run: tokens through the batcher, and every step's
-    logits bit for bit through batched passes."""
+async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, ring, models):
+    """Eight concurrent greedy requests at a quarter ring, or with every expert resident
+    (batched steps then built one ahead), decoded together (8 rows per pass), each equal
+    to its solo run: tokens through the batcher, and every step's logits bit for bit
+    through batched passes."""
     import asyncio
 
+    from smoe.bench.resident import fill_ring
     from tests.test_batching import batched_decode, solo_decode
 
     if bits == 16 and not CUDA:
@@ -288,14 +291,20 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, models):
         np.random.default_rng(20 + i).integers(10, 4000, 5 + 9 * i).tolist() for i in range(8)
     ]
     slots = max(vault.manifest.shape.experts_per_token, vault.manifest.num_records // 4)
+    if ring == "resident":
+        slots = vault.manifest.num_records
     async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
         assert engine.max_batch == 8 and engine.rules is not None
+        if ring == "resident":
+            await fill_ring(engine)
         solo = [await generate(engine, p, 24) for p in prompts]
+        built = engine.runner.built_ahead
         async with engine.exclusive():  # all eight are queued before the first is admitted
             runs = [asyncio.ensure_future(generate(engine, p, 24)) for p in prompts]
             await asyncio.sleep(0)
         together = await asyncio.gather(*runs)
         rows_per_pass = engine.batcher.step_rows / max(1, engine.batcher.steps)
+        built_ahead = engine.runner.built_ahead - built
         solo_logits = [await solo_decode(engine, p, 8) for p in prompts]
         batch_logits = await batched_decode(engine, prompts, 8)
     same = sum(
@@ -309,6 +318,8 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, models):
             "arch": arch,
             "bits": bits,
             "slots": slots,
+            "ring": ring,
+            "batched_passes_built_ahead": built_ahead,
             "requests_equal": sum(a == b for a, b in zip(together, solo, strict=True)),
             "first_token_differences": [
                 first_difference(a, b) for a, b in zip(together, solo, strict=True)
@@ -318,6 +329,7 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, models):
         }
     )
     assert together == solo and same == 8 * len(prompts) and rows_per_pass > 1
+    assert ring != "resident" or built_ahead > 0
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
