@@ -1,7 +1,8 @@
 """`smoe chat` as a new user first runs it: no vault, a real terminal, one question.
 
 The CLI runs in a pseudo-terminal (prompt_toolkit needs one) with an empty cache, so the
-demo vault is converted on the way; the reply must be King James English, soon.
+demo vault is converted on the way, and an empty MLX kernel cache, which the warm-up fills
+before the prompt; the reply must be King James English, soon.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ def _read_until(fd: int, pattern: re.Pattern[str], timeout: float) -> str:
 
 def test_smoe_chat_without_a_vault_answers_in_the_demos_language(tmp_path):
     primary, secondary = pty.openpty()
-    env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "dumb", "COLUMNS": "200"}
+    (tmp_path / "tmp").mkdir()  # MLX's compiled kernels too start empty (TMPDIR/mlx)
+    env = {
+        **os.environ,
+        "SMOE_CACHE": str(tmp_path),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "TERM": "dumb",
+        "COLUMNS": "200",
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "smoe.cli", "chat", "--temp", "0", "--max-tokens", "48"],
         stdin=secondary,
@@ -49,7 +57,8 @@ def test_smoe_chat_without_a_vault_answers_in_the_demos_language(tmp_path):
     )
     os.close(secondary)
     try:
-        _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
+        start = _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
+        assert re.search(r"warming up the kernels \.\.\. \d+\.\d s\n", start), start
         asked = time.monotonic()
         os.write(primary, b"Hello, who are you?\r")
         # The reply, then the next prompt.

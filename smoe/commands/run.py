@@ -152,6 +152,7 @@ async def _chat(args: argparse.Namespace) -> int:
             f"{top_p:g}" + (" (the model's suggestion)" if args.temp is None else ""),
             file=sys.stderr,
         )
+        await _warm_up(engine, args, temperature=temperature, top_p=top_p, seed=args.seed)
         app = ChatApp(
             engine,
             engine.conversation(system=args.system),
@@ -193,6 +194,7 @@ async def _serve(args: argparse.Namespace) -> int:
         _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
         if await _follow_rank0(engine):
             return 0
+        await _warm_up(engine, args)
 
         def ready(port: int) -> None:
             print(
@@ -267,6 +269,25 @@ async def _follow_rank0(engine: Any) -> bool:
     print(f"rank {engine.ranks.rank} of {engine.ranks.size}: following rank 0", file=sys.stderr)
     await engine.follow()
     return True
+
+
+def _warm_up_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="do not compile MLX's kernels with a throwaway generation at start (the first "
+        "reply then pays for it: seconds on a fresh machine)",
+    )
+
+
+async def _warm_up(engine: Any, args: argparse.Namespace, **sampling: Any) -> None:
+    """Engine.warm_up, shown as one line on stderr; not on ranks (rank 0 drives them)."""
+    if not args.warm_up or engine.ranks is not None:
+        return
+    print("warming up the kernels ... ", end="", file=sys.stderr, flush=True)
+    seconds = await engine.warm_up(**sampling)
+    print(f"{seconds:.1f} s", file=sys.stderr)
 
 
 def _memory_option(p: argparse.ArgumentParser) -> None:
@@ -414,6 +435,7 @@ def add_chat(sub: Any) -> None:
     )
     ch.add_argument("--top-p", type=float, default=None, help="(default: the model's suggestion)")
     ch.add_argument("--seed", type=int, default=None)
+    _warm_up_option(ch)
     _memory_option(ch)
     ch.set_defaults(func=cmd_chat)
 
@@ -449,5 +471,6 @@ def add_serve(sub: Any) -> None:
         action="store_false",
         help="do not read the historically hottest experts into empty slots when idle",
     )
+    _warm_up_option(sv)
     _memory_option(sv)
     sv.set_defaults(func=cmd_serve)

@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("smoe.engine")
 
 
+# The token Engine.warm_up repeats (any id does; modulo the vocabulary).
+WARM_UP_TOKEN = 11
+
+
 def _batchable(model_type: str) -> bool:
     """Whether S-MoE runs this architecture's attention one row per call (batched decode,
     and verify passes under kernel rules; smoe.compute.rowwise)."""
@@ -365,6 +369,34 @@ class Engine(GroupAPI):
         for layer, expert in wanted:
             by_layer.setdefault(layer, []).append(expert)
         return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
+
+    # ---------------------------------------------------------------- warm-up
+    async def warm_up(self, **sampling: Any) -> float:
+        """Run a short throwaway generation, so that MLX compiles the kernels a reply uses
+        before anyone waits for one. On a fresh machine that takes seconds: the C++
+        compiler on the CPU, NVRTC on CUDA. MLX keeps the results in its own cache, so a
+        later process pays less. ``sampling``: generate()'s settings that replies will use
+        (temperature, top_p, ...; default greedy). Call it before serving requests. It
+        reads about two tokens' experts; those reads are real and counted, but its routing
+        is left out of the popularity counts that the learning cache keeps. Returns the
+        seconds it took. Cancellation and errors: as generate()'s."""
+        import time
+
+        start = time.perf_counter()
+        shape = self.vault.manifest.shape
+        # One token repeated: every position keeps the same hidden state (attention
+        # averages equal values), so the whole prompt reads one token's experts; it is long
+        # enough for the expert calls mlx-lm sorts (from 64 (token, rank) pairs).
+        length = min(max(16, 64 // shape.experts_per_token + 1), self.max_context - 2)
+        prompt = [WARM_UP_TOKEN % shape.vocab_size] * length
+        observers = self.tracer.observers
+        popularity, observers.popularity = observers.popularity, None
+        try:
+            async for _ in self.generate(prompt, max_tokens=2, stop_at_eos=False, **sampling):
+                pass
+        finally:
+            observers.popularity = popularity
+        return time.perf_counter() - start
 
     def _meter(self) -> Meter:
         sched = self.scheduler.stats
