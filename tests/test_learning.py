@@ -68,6 +68,26 @@ async def test_prewarm_fills_only_empty_slots_and_changes_no_bit(vault):
         assert np.array_equal(await engine.logits(prompt), expected)
 
 
+async def test_prewarm_of_a_ring_that_holds_the_model_makes_it_resident(vault):
+    """Where the ring holds every expert, pre-warm reads all of them (not only those with a
+    history): the next request pins them for good, and decode is built ahead as in memory,
+    with the tokens it gives on a cold ring."""
+    every = vault.manifest.num_records
+    prompt = [20, 21]
+    async with Engine.open(vault.path, slots=every) as engine:
+        cold = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
+        assert engine.scheduler.fill() < every  # some experts were never read: streamed
+        assert engine.runner.built_ahead == 0
+    (vault.path / "stats" / "popularity.npz").unlink()  # no history to go by
+    async with Engine.open(vault.path, slots=every) as engine:
+        assert engine.prewarm() == every
+        await drain(engine)
+        assert engine.scheduler.fill() == every
+        warm = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
+        assert engine.runner.resident() and engine.runner.built_ahead > 0
+        assert warm == cold
+
+
 async def test_demand_drops_queued_prewarm(vault):
     async with Engine.open(vault.path, slots=10, workers=1) as engine:
         await engine.logits(list(range(5, 40)))

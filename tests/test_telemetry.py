@@ -103,6 +103,13 @@ def test_bench_decode_and_prefill_report(vault, run_cli):
     for row in report["runs"]:
         assert row["physical_limit_s"] == max(row["io_bound_s"], row["compute_bound_s"])
         assert row["ratio_to_limit"] > 0
+        warm = row["warm_ring"]  # a second prompt on the ring the first left
+        assert (
+            warm["ratio_to_limit"] > 0
+            and warm["ring_share_of_experts"] == (row["ring_share_of_experts"])
+        )
+    everything = report["runs"][-1]  # "all": the second prompt finds every expert it had
+    assert everything["warm_ring"]["bytes_per_token"] <= everything["bytes_per_token"]
     code, out, err = run_cli(
         "bench", "prefill", vault.path, "--budgets", "min", "--prompt-tokens", "70"
     )

@@ -2,7 +2,9 @@
 physical limit measured in the same run.
 
 decode: for each budget a fresh engine (empty ring, O_DIRECT so the page cache is out of
-the way) generates ``max_tokens`` greedy tokens after a short prompt. Beside it, in the same
+the way) generates ``max_tokens`` greedy tokens after a short prompt (cold), then as many
+after a second prompt on the ring the first left (``warm_ring``: the steady state of a
+session, where the ring already holds the popular experts). Beside them, in the same
 run: the raw disk bandwidth (plain O_DIRECT preadv of whole records, the engine's worker
 count) and the compute time per token (decode with every expert resident: no I/O). The
 physical limit for a budget is max(bytes missed per token / raw bandwidth, compute per
@@ -31,20 +33,26 @@ async def _run(
     max_tokens: int,
     workers: int,
     warm: bool = False,
+    then: list[int] | None = None,
     **options: Any,
 ) -> Any:
-    """One fresh engine: (stats of a generation, the ring, whether reads were direct).
-    ``warm``: read every expert into the ring (which must hold them all) and generate once
-    first, so the measured pass does no I/O and its kernels are compiled."""
+    """One fresh engine: (stats of a generation, stats of a second one on ``then`` or None,
+    the ring, whether reads were direct). ``warm``: read every expert into the ring (which
+    must hold them all) and generate once first, so the measured pass does no I/O and its
+    kernels are compiled. ``then``: another prompt generated after the first, on the ring
+    the first left behind (the steady state of a session)."""
     async with Engine.open(vault.path, slots=slots, workers=workers, **options) as engine:
         if warm:
             await fill_ring(engine)
             async for _ in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 pass
-        stats = None
-        async for ev in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
-            stats = ev.stats or stats
-        return stats, engine.ring, engine.reader.direct
+        runs = []
+        for p in [prompt] if then is None else [prompt, then]:
+            stats = None
+            async for ev in engine.generate(p, max_tokens=max_tokens, stop_at_eos=False):
+                stats = ev.stats or stats
+            runs.append(stats)
+        return runs[0], runs[1] if then is not None else None, engine.ring, engine.reader.direct
 
 
 def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) -> float:
@@ -100,19 +108,31 @@ async def bench_decode(
     prompt = random_prompt(vault, prompt_tokens, seed)
     options: dict[str, Any] = {"device": device, "ring": ring, "read_parts": read_parts}
     bandwidth = raw_bandwidth(vault, workers, seed=seed)
-    warm, _, _ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
+    second = random_prompt(vault, prompt_tokens, seed + 1)
+    warm, *_ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
     compute_s = 1.0 / warm.decode_tok_s
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, the_ring, direct = await _run(
-            vault, slots, prompt, max_tokens, workers, spec=spec, lookahead=lookahead, **options
+        stats, steady, the_ring, direct = await _run(
+            vault,
+            slots,
+            prompt,
+            max_tokens,
+            workers,
+            then=second,
+            spec=spec,
+            lookahead=lookahead,
+            **options,
         )
-        row = _decode_row(stats, compute_s, bandwidth, slots / m.num_records)
+        share = slots / m.num_records
+        row = _decode_row(stats, compute_s, bandwidth, share)
         rows.append(
             {"budget": budget, "ring": the_ring.kind, "ring_slots": slots}
             | row
             | {"huge_pages": getattr(the_ring, "huge_pages", None), "direct_io": direct}
+            # A second prompt on the ring the first left: a session's steady state.
+            | {"warm_ring": _decode_row(steady, compute_s, bandwidth, share)}
         )
     return {
         "benchmark": "decode",
@@ -147,7 +167,7 @@ async def bench_prefill(
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, the_ring, direct = await _run(
+        stats, _, the_ring, direct = await _run(
             vault, slots, prompt, 1, workers, device=device, ring=ring
         )
         rows.append(

@@ -353,16 +353,25 @@ class Engine(GroupAPI):
     # ---------------------------------------------------------------- learning cache
     def prewarm(self) -> int:
         """Queue speculative reads of the historically hottest experts into EMPTY slots
-        (never evicting anything); the next request drops those not yet started. Call when
-        idle (the REPL does while waiting for input). Returns how many were queued."""
+        (never evicting anything); the next request drops those not yet started. Where
+        the ring holds the whole model, every missing expert is queued (the hottest first):
+        once all are in, they are pinned for good and decode runs as in memory, built
+        ahead. Call when idle (the REPL does while waiting for input). Returns how many
+        were queued."""
         if not self._opened:
             return 0
         free = self.scheduler.num_slots - self.scheduler.fill()
         if free <= 0:
             return 0
+        keys = self.popularity.hottest(self.scheduler.num_slots)
+        m = self.vault.manifest
+        if self.ranks is None and self.scheduler.num_slots >= m.num_records:
+            hot = set(keys)
+            every = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
+            keys += [k for k in every if k not in hot]
         wanted = [
             k
-            for k in self.popularity.hottest(self.scheduler.num_slots)
+            for k in keys
             if self.scheduler.slot_of(k) is None and (self.ranks is None or self.ranks.owns(*k))
         ][:free]
         by_layer: dict[int, list[int]] = {}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# On the GPU machine: issue 27's figures (the disk's limit and mlx-lm's speed, every run).
+# STEPS picks what runs (default all), in order:
+#   build     the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
+#   resident  `smoe bench resident` against mlx-lm, RES_RUNS fresh engines (default 3)
+#   decode    `smoe bench decode` at 5/25/50/100% with the raw rate of the same run and the
+#             warm ring beside the cold one
+#   io        `smoe bench io` streamer / raw at 1/4/8/16 workers, quiet and busy, staged and
+#             unified, with its A/A control
+#   profile   where a streamed step's time goes (bench/step_profile.py) at 25% and 100%
+#   first     the first reply of `smoe chat` on the demo with an empty MLX kernel cache
+#             (TMPDIR), against the next, with and without the warm-up (.ci/chat_once.py)
+# JSON goes to $OUT, the log to $OUT/issue27.log.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DATA=${DATA:-/tmp/data}; mkdir -p "$DATA"
+V=$DATA/q235-16
+STEPS=${STEPS:-build resident decode io profile first}
+export SMOE_CACHE=$DATA/cache
+smoe() { python3 -m smoe.cli "$@"; }
+drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
+{
+for step in $STEPS; do
+  echo "== $step $(date +%T)"
+  case $step in
+  build)
+    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/phase_b.sh ;;
+  resident)
+    for i in $(seq ${RES_RUNS:-3}); do
+      drop
+      smoe bench resident "$V" --device gpu --prompt-tokens 256 --max-tokens 64 \
+        > "$OUT/resident_$i.json"
+    done ;;
+  decode)
+    drop
+    smoe bench decode "$V" --device gpu --budgets ${BUDGETS:-5%,25%,50%,100%} \
+      --prompt-tokens 8 --max-tokens ${DEC_TOKENS:-32} --workers ${DEC_WORKERS:-8} \
+      > "$OUT/decode.json" ;;
+  io)
+    drop
+    smoe bench io "$V" --workers 1,4,8,16 --reads ${IO_READS:-160} --repeats 2 --control \
+      --path unified,staged --busy 0,16 > "$OUT/io.json" ;;
+  profile)
+    for m in 25% 100%; do
+      python3 bench/step_profile.py "$V" --device gpu --memory "$m" --steps 24 \
+        > "$OUT/step_profile_${m%\%}.json"
+    done ;;
+  first)
+    for warm in "" "--no-warm-up"; do
+      for run in cold again; do
+        [ "$run" = cold ] && rm -rf "$DATA/tmp"; mkdir -p "$DATA/tmp"
+        TMPDIR=$DATA/tmp MLX_PTX_CACHE_DIR=$DATA/tmp/ptx \
+          python3 .ci/chat_once.py "python3 -m smoe.cli chat $warm"
+      done
+    done ;;
+  esac
+done
+echo "== done $(date +%T)"
+} 2>&1 | tee -a "$OUT/issue27.log"
