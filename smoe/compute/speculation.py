@@ -3,8 +3,9 @@
 - ``RouterTap`` keeps a MoE block's router logits for the host (archives, gate echo,
   hints);
 - ``gate_ranking``: the experts a token used, then the rest, by gate score;
-- ``look_ahead``: run the next MoE layer's router on this layer's input and queue its
-  top-k as speculative reads (decode), scoring the previous guess;
+- ``router_ahead`` / ``look_ahead``: run the next MoE layer's router on this layer's
+  input (evaluated with this layer's routing) and queue its top-k as speculative reads
+  (decode), scoring the previous guess;
 - ``bet_on_next_token`` (gate echo): queue this token's runner-up experts of this layer
   for the next token.
 Every guess is only a read queued at speculative priority: routing itself is always
@@ -54,8 +55,26 @@ def gate_ranking(gates: np.ndarray, used: np.ndarray, depth: int) -> np.ndarray:
     return ranked[:, :depth]
 
 
+def router_ahead(tracer: Tracer, layer: int, x: mx.array) -> Any:
+    """The next MoE layer's router on this layer's input ``x`` [..., D], lazily (None
+    where there is no next MoE layer): built before this layer's routing is read, so one
+    evaluation computes both, and ``look_ahead`` then needs no device round trip of its
+    own."""
+    nxt = tracer.next_layer.get(layer)
+    if nxt is None or nxt not in tracer.routers:
+        return None
+    out = tracer.routers[nxt](x)
+    return out.astype(mx.float32) if isinstance(out, mx.array) else out
+
+
 def look_ahead(
-    tracer: Tracer, source: Any, layer: int, x: mx.array, idx: np.ndarray, prefetch: bool
+    tracer: Tracer,
+    source: Any,
+    layer: int,
+    x: mx.array,
+    idx: np.ndarray,
+    prefetch: bool,
+    ahead: Any = None,
 ) -> None:
     """Score this token's experts against the prediction made one layer earlier, then
     run the next MoE layer's router on this layer's input and queue its top-k as
@@ -63,7 +82,8 @@ def look_ahead(
     known). A routing archive being recorded gets that ranking (``record_ahead``), also
     when nothing is prefetched (``prefetch`` False: prefill, or lookahead off).
 
-    x: [..., D] this layer's input; idx: [..., k] the experts this layer chose."""
+    x: [..., D] this layer's input; idx: [..., k] the experts this layer chose; ``ahead``:
+    ``router_ahead``'s output for this x, if it was built already."""
     k = idx.shape[-1]
     guess = tracer.step.predicted.pop(layer, None)
     if guess is not None:
@@ -74,7 +94,7 @@ def look_ahead(
     if nxt is None or nxt not in tracer.routers:
         return
     recorder = tracer.observers.recorder
-    out = tracer.routers[nxt](x)
+    out = ahead if ahead is not None else tracer.routers[nxt](x)
     if isinstance(out, tuple):  # a router that selects itself: (indices, scores)
         ranked = np.array(out[0]).reshape(-1, k)  # [B, k], its own order
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +19,7 @@ import numpy as np
 
 from smoe.compute.sharded import ExpertShard
 from smoe.compute.solo_rows import KernelRules, expert_call, reference_rows_of
-from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead
+from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead, router_ahead
 from smoe.compute.switch import Parts
 from smoe.compute.tracing import LayerTrace, Tracer
 from smoe.sched.hints import runner_ups
@@ -92,6 +92,7 @@ class _Seen:
 
     hints: list[int] = field(default_factory=list)  # experts to hint (runner-ups)
     bets: tuple[np.ndarray, np.ndarray] | None = None  # (gate logits, top-k): gate echo
+    ahead: Any = None  # the next layer's router on this input (router_ahead), evaluated
 
 
 class StreamingExperts(nn.Module):
@@ -151,8 +152,12 @@ class StreamingExperts(nn.Module):
             bank, table = resident
             ref = reference_rows_of(indices.size, indices.shape[-1])
             return expert_call(self._inners[bank], x, table[indices], self._rules, ref)
+        ahead = self._router_ahead(tracer, x)
+        if ahead is not None:
+            mx.eval(indices, ahead)  # one round trip for the routing and the lookahead's
         idx = np.array(indices)  # evaluates the routing from the true hidden state
         seen = self._observe(idx) if tracer is not None else _Seen()
+        seen.ahead = ahead
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
         ref = reference_rows_of(idx.size, idx.shape[-1])  # rows of the call judged against
@@ -263,7 +268,15 @@ class StreamingExperts(nn.Module):
             bet_on_next_token(tracer, self._source, self.layer, *seen.bets, tracer.spec)
         looking = tracer.lookahead and tracer.step.phase == 1
         if looking or tracer.observers.recorder is not None:
-            look_ahead(tracer, self._source, self.layer, x, idx, prefetch=looking)
+            look_ahead(tracer, self._source, self.layer, x, idx, looking, seen.ahead)
+
+    def _router_ahead(self, tracer: Tracer | None, x: mx.array) -> Any:
+        """The lookahead's router output for ``x`` (lazy), where ``_after`` will use it."""
+        if tracer is None or not (
+            (tracer.lookahead and tracer.step.phase == 1) or tracer.observers.recorder is not None
+        ):
+            return None
+        return router_ahead(tracer, self.layer, x)
 
     def _run(
         self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int, sort: bool = False
