@@ -33,16 +33,19 @@ async def _generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    prompt: Any = args.prompt if args.prompt is not None else args.prompt_ids
+    if args.prompt_ids is not None and args.system_prompt is not None:
+        raise SmoeError("--system-prompt goes with --prompt TEXT (the chat template), not ids")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt  # "-": mlx-lm's stdin
     # One sequence: the memory budget keeps KV room for one (smoe.engine.budget).
     async with Engine.open(args.vault, **_engine_options(args), max_batch=1) as engine:
         quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
+        prompt, templated = _generate_prompt(engine, text, args)
         _say_memory(engine, quiet)
         if engine.ranks is not None and args.temp > 0 and args.seed is None:
             args.seed = await engine.from_rank0(secrets.randbits(31))  # every rank samples alike
         if args.routing_archive:
             engine.start_recording(args.archive_depth)
-        tokens, text, stats, finish = await _stream_reply(engine, prompt, args, quiet)
+        tokens, pieces, stats, finish = await _stream_reply(engine, prompt, args, quiet)
         stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
         stats["ring_slots"] = engine.ring.num_slots
         stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
@@ -56,8 +59,42 @@ async def _generate(args: argparse.Namespace) -> int:
         if engine.ranks is not None:
             stats["ranks"] = await engine.rank_stats()  # each rank's I/O, gathered
     if not quiet:
-        _print_generated(tokens, text, stats, finish, as_json=args.json)
+        _print_generated(tokens, pieces, stats, finish, as_json=args.json)
+        if not tokens and finish == "stop" and not args.json:
+            print(_why_nothing(templated, args), file=sys.stderr)
     return 0
+
+
+def _generate_prompt(engine: Any, text: str | None, args: argparse.Namespace) -> tuple[Any, bool]:
+    """The prompt `smoe generate` runs, and whether the chat template made it: --prompt
+    text goes through the model's chat template (with --system-prompt), as mlx-lm's
+    generate does, unless --ignore-chat-template or the model has none; ids go as given."""
+    if text is None:
+        return args.prompt_ids, False
+    tok = engine.tokenizer
+    has_template = tok is not None and getattr(tok, "chat_template", None) is not None
+    if args.ignore_chat_template or not has_template:
+        if args.system_prompt is not None:
+            raise SmoeError(
+                "--system-prompt needs the chat template: "
+                + ("drop --ignore-chat-template" if has_template else "this model has none")
+            )
+        return text, False
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages.append({"role": "user", "content": text})
+    return engine.conversation().template(messages), True
+
+
+def _why_nothing(templated: bool, args: argparse.Namespace) -> str:
+    """One line for a generation that ended before its first token (an end token first)."""
+    if templated:
+        return "(the model ended its reply at once: its end-of-sequence token came first)"
+    fix = (
+        "drop --ignore-chat-template to send it as a chat message"
+        if args.ignore_chat_template
+        else "this model has no chat template: give it text to continue"
+    )
+    return f"(the model ended at once: its end-of-sequence token came first; {fix})"
 
 
 async def _stream_reply(
@@ -392,8 +429,21 @@ def add_generate(sub: Any) -> None:
     """`smoe generate` and its options."""
     g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
     g.add_argument("vault", type=Path, help="a vault, or a downloaded checkpoint folder")
-    g.add_argument("--prompt", default=None, help="prompt text (tokenized without a chat template)")
-    g.add_argument("--prompt-ids", type=_id_list, default=None, help="prompt token ids: 1,2,3")
+    g.add_argument(
+        "--prompt",
+        default=None,
+        help="prompt text, sent through the model's chat template as a user message (as "
+        "mlx-lm does); - reads it from standard input",
+    )
+    g.add_argument(
+        "--prompt-ids", type=_id_list, default=None, help="prompt token ids, as given: 1,2,3"
+    )
+    g.add_argument("--system-prompt", default=None, help="a system message before the prompt")
+    g.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="tokenize the prompt text as it is, without the chat template",
+    )
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0)

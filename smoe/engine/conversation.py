@@ -133,8 +133,14 @@ class Conversation:
             raise SmoeError(f"{self.engine.vault.path} has no tokenizer: cannot chat")
         if getattr(tok, "chat_template", None) is None:
             raise SmoeError(f"{self.engine.vault.path} has no chat template: use generate")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the template is the vault's code (jinja2): any error
+            raise SmoeError(
+                f"the chat template of {self.engine.vault.path} failed: {type(e).__name__}: {e}"
+            ) from None
+        # (a BatchEncoding from some tokenizers: a mapping, not a dict)
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
     def _prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt for ``messages`` (the history plus a new user message)."""
