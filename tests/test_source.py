@@ -472,3 +472,34 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
         spare = engine.reader._spare  # what the reader allocated for its threads
         allocated = sum(b.base.nbytes if b.base is not None else b.nbytes for b in spare)
     assert working(source, kind) - working(vault, kind) == bounce_bytes(source, 3) == allocated
+
+
+def test_a_downloads_backbone_is_sized_from_the_non_expert_tensors_of_every_shard(
+    tmp_path, monkeypatch, run_cli
+):
+    """The budget sizes a download's backbone from every shard's non-expert tensors, as
+    its vault's backbone.safetensors (not the first shard whole, experts and all): the same
+    bytes at either compute width, and the same line from `smoe generate --memory`."""
+    from smoe.engine.budget import backbone_bytes
+    from smoe.models.checkpoint import safetensors_header
+    from smoe.synth import synthesize, weights
+
+    monkeypatch.setattr(weights, "MAX_SHARD_BYTES", 150_000)  # several shards
+    folder = synthesize(tmp_path / "src", arch="qwen3_moe", preset="tiny", seed=3)
+    shards = sorted(folder.glob("model*.safetensors"))
+    assert len(shards) >= 3
+    vault = convert(folder, tmp_path / "v", ConvertOptions(bits=16))
+    source = open_model(folder)
+    for dsize in (2, 4):
+        got = backbone_bytes(source.backbone_header(), dsize)
+        assert got == backbone_bytes(vault.backbone_header(), dsize)
+    assert got != backbone_bytes(safetensors_header(shards[0]), 4)  # the old count
+    lines = []
+    for path in (folder, vault.path):
+        code, out, err = run_cli(
+            "generate", path, "--prompt-ids", "5,6,7", "--max-tokens", "2", "--memory", "700MB"
+        )
+        assert code == 0, err
+        lines.append(next(line for line in err.splitlines() if line.startswith("memory")))
+    backbone = [line.split("backbone ")[1].split(" +")[0] for line in lines]
+    assert backbone[0] == backbone[1]

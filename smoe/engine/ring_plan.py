@@ -26,7 +26,6 @@ from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.shard_reader import bounce_bytes
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
-from smoe.models.checkpoint import safetensors_header
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
@@ -275,7 +274,7 @@ def budget_parts(
         landing += bounce_bytes(vault, workers)
     return parts(
         vault.config(),
-        backbone_bytes(safetensors_header(vault.backbone_path), dsize),
+        backbone_bytes(vault.backbone_header(), dsize),
         dsize,
         context=max_context,
         sequences=max_batch,

@@ -170,6 +170,13 @@ class Vault:
     def backbone_path(self) -> Path:
         return self.path / BACKBONE_FILE
 
+    def backbone_header(self) -> dict[str, Any]:
+        """The backbone's tensors as a safetensors header lists them (dtype, shape), for
+        sizing it before it loads (smoe.engine.budget.backbone_bytes)."""
+        from smoe.models.checkpoint import safetensors_header
+
+        return safetensors_header(self.backbone_path)
+
     @property
     def config_path(self) -> Path:
         return self.path / CONFIG_FILE

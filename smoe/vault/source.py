@@ -93,6 +93,11 @@ class Source(Vault):
     def backbone_path(self) -> Path:
         return self.index.files[0]
 
+    def backbone_header(self) -> dict[str, Any]:
+        """The non-expert tensors of every shard (the backbone is loaded from all of them),
+        as a safetensors header lists them."""
+        return copy.deepcopy(self.index.backbone_header)
+
     @property
     def stats_dir(self) -> Path:
         return self.cache_dir / "stats"

@@ -30,7 +30,7 @@ from smoe.errors import CheckpointError, UnsupportedModelError
 from smoe.models.topology import EXPERT_COUNT_KEYS, layer_of
 from smoe.vault.layout import ITEMSIZE, RecordLayout
 from smoe.vault.manifest import ExpertLayer
-from smoe.vault.source_header import REDOWNLOAD, TensorEntry, read_header
+from smoe.vault.source_header import DTYPES, REDOWNLOAD, TensorEntry, read_header
 
 CONVERT = "convert it instead: smoe convert SRC VAULT"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,6 +48,7 @@ STREAMABLE: dict[str, dict[str, str]] = {
 }
 PROJ_ORDER = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU, as convert writes
 PART_ORDER = ("weight", "scales", "biases", "bias")
+SAFETENSORS_NAME = {ours: code for code, (ours, _) in DTYPES.items()}  # bfloat16 -> BF16
 _PER_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)\.(weight|scales|biases|bias)$")
 _STACKED = re.compile(r"^(.+\.switch_mlp)\.([A-Za-z0-9_]+)\.(weight|scales|biases|bias)$")
 
@@ -96,6 +97,9 @@ class SourceIndex:
     stacked: bool  # the experts are stacked per component (mlx-community layout)
     expert_bytes: int  # bytes of expert tensors in the shards
     total_bytes: int  # bytes of all tensors in the shards
+    # The non-expert tensors of every shard, as a safetensors header lists them
+    # ({name: {"dtype": "BF16", "shape": [...]}}): what the backbone is sized from.
+    backbone_header: dict[str, dict[str, Any]]
 
     def reads_per_expert(self) -> float:
         """Mean extents (reads) per record."""
@@ -138,6 +142,11 @@ class SourceIndex:
             stacked=any(_STACKED.match(name) for name in tensors),
             expert_bytes=expert_bytes,
             total_bytes=sum(t.nbytes for t in tensors.values()),
+            backbone_header={
+                name: {"dtype": SAFETENSORS_NAME[t.dtype], "shape": list(t.shape)}
+                for name, t in tensors.items()
+                if not (_PER_EXPERT.match(name) or _STACKED.match(name))
+            },
         )
 
 
