@@ -11,6 +11,11 @@ class SmoeError(Exception):
     exit_code = 2
 
 
+class BudgetTooSmall(SmoeError):
+    """--memory cannot hold the backbone, the KV caches, working memory and one layer's
+    top-k of experts; the message names the smallest budget that works."""
+
+
 class UnsupportedModelError(SmoeError):
     """The checkpoint's architecture cannot be streamed (dense, unknown type, ...)."""
 

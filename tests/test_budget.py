@@ -16,7 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from smoe.engine import Engine
-from smoe.engine.budget import Attention, backbone_bytes, kv_bytes
+from smoe.engine.budget import Attention, backbone_bytes, default_contexts, kv_bytes
 from smoe.engine.ring_plan import Device, budget_parts, plan_ring
 from smoe.errors import SmoeError
 from smoe.models.checkpoint import safetensors_header
@@ -129,7 +129,13 @@ def test_mla_kv_bytes_are_what_deepseek_caches(tmp_path, arch):
 
 
 def _needs(vault, **kw):
+    """The parts an engine budgets by default (budget.pick_context: DEFAULT_CONTEXT)."""
+    kw.setdefault("max_context", default_context(vault))
     return budget_parts(vault, mx.float32, kind="unified", **kw)
+
+
+def default_context(vault) -> int:
+    return default_contexts(Attention.of(vault.config()).max_context)[0]
 
 
 @pytest.mark.asyncio
@@ -152,6 +158,7 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
         dtype=mx.float32,
         device=CPU_DEVICE,
         memory=needs8.fixed + 7 * stride,
+        max_context=default_context(vault),
     )  # max_batch 8: the engine's default
     assert plan8.fit is not None and plan8.slots == 7 and plan8.fit.kv == needs8.kv
     # --slots stays the explicit override (no budget division)
@@ -171,6 +178,7 @@ def test_the_smallest_budget_works_and_one_byte_less_is_refused(vault):
         device=CPU_DEVICE,
         memory=smallest,
         max_batch=1,
+        max_context=default_context(vault),
     ).fit
     assert fit is not None and fit.slots == top_k
     with pytest.raises(SmoeError, match=r"smallest that works is --memory \d+MB"):
@@ -181,6 +189,7 @@ def test_the_smallest_budget_works_and_one_byte_less_is_refused(vault):
             device=CPU_DEVICE,
             memory=smallest - 1,
             max_batch=1,
+            max_context=default_context(vault),
         )
     # a shorter context or an 8-bit cache shrinks the KV part (and so the smallest budget)
     assert _needs(vault, max_batch=1, max_context=256).kv < needs.kv
@@ -274,3 +283,30 @@ def test_a_generation_stays_within_its_budget(vault):
     peak = int(r.stdout.split("PEAK")[-1])
     assert "memory " in r.stderr and "-> ring" in r.stderr  # the engine said how it divided
     assert peak <= smallest, f"peak RSS {peak} above the budget {smallest}"
+
+
+@pytest.mark.asyncio
+async def test_the_default_context_is_4096_and_halves_to_fit_the_budget(vault):
+    """Without --max-context the KV caches are budgeted for DEFAULT_CONTEXT tokens (the
+    tiny model allows 32,768), named as the default in the line; a budget too small for
+    it gets the largest half that fits; one too small even for 512 tokens is refused,
+    naming the smallest budget that works there."""
+    m = vault.manifest
+    top_k, stride = m.shape.experts_per_token, m.record.stride
+
+    def smallest(context: int) -> int:
+        return _needs(vault, max_batch=1, max_context=context).fixed + top_k * stride
+
+    assert Attention.of(vault.config()).max_context == 32768
+    async with Engine.open(vault.path, memory=smallest(4096) + stride, max_batch=1) as e:
+        assert e.max_context == 4096 and e.fit is not None and e.fit.context == 4096
+        assert "4096 context by default" in e.fit.line()
+    async with Engine.open(vault.path, memory=smallest(1024), max_batch=1) as e:
+        assert e.max_context == 1024 and e.fit is not None and e.fit.slots == top_k
+    with pytest.raises(SmoeError, match=r"1 x 512 context.*smallest that works is --memory"):
+        async with Engine.open(vault.path, memory=smallest(512) - 1, max_batch=1):
+            pass
+    async with Engine.open(vault.path, memory=smallest(4096), max_context=300) as e:
+        assert e.max_context == 300 and "by default" not in e.fit.line()
+    async with Engine.open(vault.path) as e:  # no --memory: the default context too
+        assert e.max_context == 4096

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import smoe.engine.ring_plan as ring_plan
+from smoe.engine.budget import backbone_bytes
 from smoe.engine.ring_plan import Device, available_memory, plan_ring
 from smoe.vault.convert import convert
 
@@ -115,7 +116,7 @@ def test_default_ring_budget_fits_the_cgroup_limit(hf_dir, tmp_path, monkeypatch
     per_slot = ring_plan.slot_bytes(
         ring_plan.ring_kind("auto", m.record, mx.float32, cpu), m.record, mx.float32
     )
-    backbone = vault.backbone_path.stat().st_size
+    backbone = backbone_bytes(vault.backbone_header(), 4)  # as loaded, in float32
     room = 2 * (backbone + 5 * per_slot)  # the default takes half: the backbone and 5 slots
     root = fake_system(
         tmp_path / "sys",

@@ -24,6 +24,7 @@ from smoe.engine.ring_plan import budget_parts
 from smoe.util.loop import run
 from smoe.vault.convert import ConvertOptions, convert
 from tests.conftest import make_hf_checkpoint, tiny_vault
+from tests.test_budget import default_context
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +50,24 @@ async def _engine_fit(vault, memory):
         return engine.fit.to_json()
 
 
+def test_plan_and_engine_pick_the_same_default_context(vault, run_cli):
+    """A budget too small for the default 4096-token context: `smoe plan` and the engine
+    both budget the largest half that fits (budget.pick_context), the same fit."""
+    m = vault.manifest
+    needs = budget_parts(vault, mx.float32, kind="unified", max_batch=1, max_context=1024)
+    memory = needs.fixed + m.shape.experts_per_token * m.record.stride
+    plan = _plan(run_cli, vault.path, "--memory", str(memory), "--device", "cpu")
+    assert plan["fits"] is True and plan["fit"]["context"] == 1024
+    assert run(_engine_fit(vault, memory)) == plan["fit"]
+    asked = _plan(run_cli, vault.path, "--memory", str(memory), "--max-context", "1024")
+    assert asked["fit"] == plan["fit"]  # --max-context, as the run commands call it
+
+
 def test_plan_on_a_vault_is_the_fit_the_engine_makes(vault, run_cli):
     m = vault.manifest
-    needs = budget_parts(vault, mx.float32, kind="unified", max_batch=1)
+    needs = budget_parts(
+        vault, mx.float32, kind="unified", max_batch=1, max_context=default_context(vault)
+    )
     memory = needs.fixed + 6 * m.record.stride
     plan = _plan(run_cli, vault.path, "--memory", str(memory), "--device", "cpu")
     assert plan["kind"] == "vault" and plan["fits"] is True

@@ -462,8 +462,10 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
     folder, vault, _ = sources("qwen3_moe")
     source = open_model(folder)
 
-    def working(model, kind):
-        return budget_parts(model, mx.float32, kind=kind, max_batch=1, workers=3).working
+    def working(model, kind):  # at the engine's default context (budget.pick_context)
+        return budget_parts(
+            model, mx.float32, kind=kind, max_batch=1, workers=3, max_context=4096
+        ).working
 
     budget = working(source, "staged") + 60 * 10**6
     async with Engine.open(folder, memory=budget, workers=3, max_batch=1) as engine:

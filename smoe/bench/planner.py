@@ -9,6 +9,7 @@ popularity counts, else published locality).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from smoe.engine.budget import (
     backbone_bytes,
     fit,
     parts,
+    pick_context,
     suggest_at_least,
 )
 from smoe.engine.ring_plan import (
@@ -48,7 +50,7 @@ class PlanOptions:
     memory: int | str | None = None  # the whole process's budget; None: the engine's default
     device: str | None = None  # "cpu", "gpu"; None: MLX's default
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on a GPU
-    context: int | None = None  # tokens the KV caches are budgeted for; None: the model's
+    context: int | None = None  # tokens the KV caches are budgeted for; None: the default
     kv_bits: int | None = None  # 4 or 8: mlx-lm's quantized KV cache
     max_batch: int = 1  # sequences decoded together (KV caches kept)
     prefill_chunk: int = 64
@@ -197,12 +199,17 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     kind = ring_kind("auto", subject.layout, dtype, device)
     per_slot = slot_bytes(kind, subject.layout, dtype)
     attn = Attention.of(subject.config)
-    context = min(o.context or attn.max_context, attn.max_context)
     s = subject.shape
+    every = s.records * per_slot
+
+    def fits(c: int) -> bool:  # as the engine picks the context (budget.pick_context)
+        fixed = _needs(subject, o, dsize, kind, c, device).fixed
+        return o.memory is None or _parse(o.memory) >= fixed + s.top_k * per_slot
+
+    context, default_context = pick_context(o.context, attn.max_context, fits)
     needs = _needs(subject, o, dsize, kind, context, device)
     fixed = needs.fixed
     smallest = fixed + s.top_k * per_slot
-    every = s.records * per_slot
     memory = _default_memory(fixed, every, device) if o.memory is None else _parse(o.memory)
     out: dict[str, Any] = {
         "model": str(path),
@@ -224,6 +231,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     }
     try:
         budget = fit(memory, needs, slot_bytes=per_slot, min_slots=s.top_k, num_records=s.records)
+        budget = dataclasses.replace(budget, default_context=default_context)
     except SmoeError as e:
         out |= {"fits": False, "fit": None, "why": str(e)}
         return out

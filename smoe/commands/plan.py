@@ -104,10 +104,13 @@ def add_plan(sub: Any) -> None:
     p.add_argument("--device", choices=("cpu", "gpu"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument(
+        "--max-context",
         "--context",
+        dest="context",
         type=int,
         default=None,
-        help="tokens the KV caches hold (default: the model's max_position_embeddings)",
+        help="tokens the KV caches hold (default 4096, or the model's maximum if smaller; "
+        "with --memory, halved down to 512 until it fits: as the run commands)",
     )
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantized KV cache")
     p.add_argument(

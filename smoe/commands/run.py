@@ -345,7 +345,8 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="TOKENS",
         help="longest prompt + reply in tokens, which the KV caches are budgeted for "
-        "(default: the model's max_position_embeddings)",
+        "(default 4096, or the model's maximum if smaller; with --memory, halved down to "
+        "512 until it fits)",
     )
     p.add_argument(
         "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"

@@ -22,10 +22,11 @@ formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smoe.errors import SmoeError
+from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.util.sizes import format_bytes, parse_size
 
 # Resident set of a process that imported MLX, mlx-lm and the tokenizers and opened an
@@ -153,6 +154,35 @@ class Attention:
         )
 
 
+# The context budgeted when none is asked for (llama.cpp's and ollama's default too): the
+# KV caches of the model's maximum (often 32-128K tokens) would take most budgets.
+DEFAULT_CONTEXT = 4096
+SMALLEST_DEFAULT_CONTEXT = 512  # the default shrinks to fit --memory, not below this
+
+
+def default_contexts(model_max: int) -> list[int]:
+    """The contexts tried, in order, when none is asked for: DEFAULT_CONTEXT (or the
+    model's maximum if smaller), then halves down to SMALLEST_DEFAULT_CONTEXT, so a
+    budget that cannot hold the default gets the largest of them that fits."""
+    first = min(DEFAULT_CONTEXT, model_max)
+    out = [first]
+    while out[-1] // 2 >= SMALLEST_DEFAULT_CONTEXT:
+        out.append(out[-1] // 2)
+    return out
+
+
+def pick_context(
+    asked: int | None, model_max: int, fits: Callable[[int], bool]
+) -> tuple[int, bool]:
+    """The context to budget the KV caches for, and whether it is the default: ``asked``
+    (at most the model's maximum), else the first of ``default_contexts`` that ``fits``,
+    else the last of them (whose refusal names the smallest budget that works)."""
+    if asked is not None:
+        return min(asked, model_max), False
+    options = default_contexts(model_max)
+    return next((c for c in options if fits(c)), options[-1]), True
+
+
 def kv_capacity(context: int) -> int:
     """Tokens an mlx-lm cache holding ``context`` tokens has allocated (256-token steps)."""
     return -(-max(context, 1) // KV_STEP) * KV_STEP
@@ -241,6 +271,7 @@ class Fit:
     context: int
     sequences: int
     kv_bits: int | None
+    default_context: bool = False  # the context was not asked for (default_contexts)
 
     @property
     def fixed(self) -> int:
@@ -257,7 +288,9 @@ class Fit:
         seqs = f"{self.sequences} x " if self.sequences > 1 else ""
         return (
             f"memory {format_bytes(self.total)}: backbone {format_bytes(self.backbone)} + KV "
-            f"{format_bytes(self.kv)} ({seqs}{self.context} context, {bits}) + working "
+            f"{format_bytes(self.kv)} ({seqs}{self.context} context"
+            f"{' by default, --max-context for more' if self.default_context else ''}, {bits}) "
+            "+ working "
             f"{format_bytes(self.working)} -> ring {format_bytes(self.ring)} = {self.slots} "
             f"experts ({100 * self.slots / self.num_records:.1f}%)"
         )
@@ -296,7 +329,7 @@ def fit(
     if slots < min_slots:
         need = needs.fixed + min_slots * slot_bytes
         shown = memory.strip() if isinstance(memory, str) else format_bytes(total)
-        raise SmoeError(
+        raise BudgetTooSmall(
             f"a memory budget of {shown} cannot hold backbone {format_bytes(needs.backbone)} "
             f"+ KV {format_bytes(needs.kv)} ({needs.sequences} x {needs.context} context) + "
             f"working {format_bytes(needs.working)} + {min_slots} expert slots of "

@@ -235,7 +235,7 @@ class Conversation:
             raise SmoeError(
                 f"the conversation ({len(prompt)} tokens) plus {max_tokens} for the reply "
                 f"would overflow the context of {limit} tokens; /reset to start over "
-                "(or lower max_tokens)"
+                "(or lower max_tokens, or start with a larger --max-context)"
             )
 
     # -------------------------------------------------------------- copies and files

@@ -29,7 +29,7 @@ from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
-from smoe.engine.budget import Fit, kv_group_size
+from smoe.engine.budget import Attention, Fit, kv_group_size, pick_context
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.mirror import Leader, Request
@@ -46,7 +46,7 @@ from smoe.engine.ring_plan import (
     kernel_rules,
     plan_ring,
 )
-from smoe.errors import SmoeError
+from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.ring import ExpertRing
 from smoe.io.shard_reader import ShardReader
@@ -141,8 +141,6 @@ class Engine(GroupAPI):
             on_demand=self._demand_arrives,
             draft=self.runner.step_draft if self.runner.drafting is not None else None,
         )
-        limit = self.vault.config().get("max_position_embeddings") or 4096
-        self.max_context = min(self.options.max_context or limit, limit)
         self._opened = True
         return self
 
@@ -161,6 +159,26 @@ class Engine(GroupAPI):
         self.rules = kernel_rules(current_device(self._device), o.solo_rows)
         check_draft(o.draft, self.rules, _batchable(self.vault.config()["model_type"]))
         self.max_batch = batch_size(o.max_batch, current_device(self._device))
+
+        def fits(context: int) -> bool:
+            try:
+                self._plan_at(context)
+            except BudgetTooSmall:
+                return False
+            return True
+
+        limit = Attention.of(self.vault.config()).max_context
+        self.max_context, default = pick_context(o.max_context, limit, fits)
+        plan = self._plan_at(self.max_context)  # a refusal names the smallest budget
+        if plan.fit is not None and default:
+            plan = dataclasses.replace(
+                plan, fit=dataclasses.replace(plan.fit, default_context=True)
+            )
+        return plan
+
+    def _plan_at(self, context: int) -> RingPlan:
+        """plan_ring with the options, the device and ``context`` tokens of KV room."""
+        o = self.options
         return plan_ring(
             self.vault,
             requested=o.ring,
@@ -169,7 +187,7 @@ class Engine(GroupAPI):
             memory=o.memory,
             slots=o.slots,
             max_batch=self.max_batch,
-            max_context=o.max_context,
+            max_context=context,
             kv_bits=o.kv_bits,
             prefill_chunk=o.prefill_chunk,
             workers=o.workers,
@@ -464,7 +482,8 @@ class Engine(GroupAPI):
         if len(ids) + extra > self.max_context:
             raise SmoeError(
                 f"{len(ids)} prompt tokens + {extra} to generate exceed the context of "
-                f"{self.max_context} tokens; shorten the prompt or lower max_tokens"
+                f"{self.max_context} tokens; shorten the prompt, lower max_tokens, or open "
+                "the engine with a larger max_context (--max-context)"
             )
         return ids
 

@@ -332,7 +332,7 @@ def plan_ring(
         count = int(slots)
     elif memory is None:
         count = slots_for_budget(
-            _default_budget(vault, per_slot, top_k, room),
+            _default_budget(vault, per_slot, top_k, room, int(dtype.size)),
             per_slot,
             top_k,
             max_slots=m.num_records,
@@ -373,7 +373,7 @@ def _size_at_most(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None) -> int:
+def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None, dsize: int) -> int:
     m = vault.manifest
     floor = top_k * per_slot
     if room is not None:  # a discrete GPU
@@ -387,5 +387,5 @@ def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None) -
     available = available_memory()
     if available is None:
         return m.num_records * per_slot
-    spare = available // 2 - vault.backbone_path.stat().st_size
+    spare = available // 2 - backbone_bytes(vault.backbone_header(), dsize)  # as loaded
     return max(spare, floor)
