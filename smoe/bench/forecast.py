@@ -91,18 +91,25 @@ _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 
 
 def prediction_band(values: list[float]) -> tuple[float, float]:
-    """Where the next measurement of what ``values`` sampled falls, 95% of the time: the
-    prediction interval mean +- t * sd * sqrt(1 + 1/n), widened to the samples' range (the
-    samples' own min and max would miss a new one 2 / (n + 1) of the time)."""
+    """Where the next measurement of what ``values`` (positive times) sampled falls, 95% of
+    the time: the prediction interval mean +- t * sd * sqrt(1 + 1/n) of their logarithms,
+    widened to the samples' range (their own min and max would miss a new one 2 / (n + 1)
+    of the time) and kept within a factor 2 of it. In logarithms because timing noise is
+    multiplicative: a band in seconds could reach 0, and its inverse (tok/s) infinity."""
     if not values:
         return float("nan"), float("nan")
     n = len(values)
     if n < 2:
         return values[0], values[0]
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    logs = [math.log(max(v, 1e-12)) for v in values]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / (n - 1))
     half = _T975.get(n - 1, 2.0) * sd * math.sqrt(1 + 1 / n)
-    return max(0.0, min(min(values), mean - half)), max(max(values), mean + half)
+    # A few noisy samples give a t-band of orders of magnitude: keep it within a factor 2
+    # of the samples' range (the probe's figures are what was seen, not a guess).
+    low = max(math.exp(mean - half), min(values) / 2)
+    high = min(math.exp(mean + half), 2 * max(values))
+    return min(min(values), low), max(max(values), high)
 
 
 def forecast(

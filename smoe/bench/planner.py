@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ class PlanOptions:
     probe_chunks: int = 2  # compute probe: prefill chunks per request
     fresh: bool = False  # measure again rather than reuse cached/recorded figures
     compute: bool = True  # run (or reuse) the compute probe
+    progress: Callable[[str], None] | None = None  # told before a probe that takes a while
 
 
 @dataclass
@@ -281,6 +283,12 @@ async def _compute(
     recorded = None if o.fresh else recorded_compute(vault, device, dtype, slots)
     if recorded is not None:
         return recorded | {"recorded": True}
+    if o.progress is not None:
+        o.progress(
+            f"measuring compute on this {device} for the forecast ({o.probe_requests} "
+            "requests; recorded for the next plan of this vault and ring; --no-compute "
+            "skips it) ..."
+        )
     return await probe_compute(
         vault,
         device=device,

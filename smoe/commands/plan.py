@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         probe_seconds=args.probe_seconds,
         fresh=args.fresh,
         compute=not args.no_compute,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     plan = run(make_plan(args.model, options))
     print(json.dumps(plan, indent=1) if args.json else render(plan))
-    return 0
+    return 0 if plan["fits"] else 1  # a script can tell a budget that does not fit
 
 
 def _gb(n: float) -> str:
@@ -62,7 +64,12 @@ def render(plan: dict[str, Any]) -> str:
     rows.append(("fit", plan["line"]))
     d = plan["disk"]
     cached = " (cached)" if d.get("cached") else ""
-    rows.append(("disk", f"{d['gbps_low']:g} / {d['gbps']:g} / {d['gbps_high']:g} GB/s{cached}"))
+    rows.append(
+        (
+            "disk",
+            f"{d['gbps']:g} GB/s (low {d['gbps_low']:g}, high {d['gbps_high']:g}){cached}",
+        )
+    )
     rows.append(("routing", plan["routing"]))
     c = plan["compute"]
     if c is not None:
