@@ -40,8 +40,11 @@ async def test_openai_client_plain_and_streaming(vault):
         stream = await c.chat.completions.create(
             model="smoe", messages=MESSAGES, max_tokens=10, temperature=0, stream=True
         )
-        pieces = [ch.choices[0].delta.content or "" async for ch in stream]
+        chunks = [ch async for ch in stream]
+        pieces = [ch.choices[0].delta.content or "" for ch in chunks]
         assert "".join(pieces) == text  # greedy: the same reply both ways
+        roles = [ch.choices[0].delta.role for ch in chunks]
+        assert roles[0] == "assistant" and not any(roles[1:])  # OpenAI's: the first names it
         done = await c.completions.create(
             model="smoe", prompt=[5, 6, 7], max_tokens=4, temperature=0
         )
@@ -420,6 +423,8 @@ MALFORMED = {
         "Content-Type",
         "UTF-8",
     ),
+    "XML declared": (_chat_with("n", "1"), "application/xml", 415, "Content-Type", "json"),
+    "form-declared, not JSON": (b"a=1&b=2", "application/x-www-form-urlencoded", 400, None, "JSON"),
     "unknown role": (
         json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(),
         None,
@@ -466,6 +471,35 @@ async def test_malformed_requests_get_a_4xx_naming_the_field(vault, caplog):
         assert r2.choices  # and the server keeps serving
     assert not failures, "\n".join(failures)
     assert not [rec for rec in caplog.records if rec.levelno >= 40]  # no error, no traceback
+
+
+async def test_a_json_body_sent_as_a_form_is_served_as_curl_sends_it(vault):
+    """`curl URL -d '{...}'` declares application/x-www-form-urlencoded (docs/serve.md's
+    own examples): a body that parses as JSON is served on every API, as ollama,
+    mlx_lm.server and llama-server serve it."""
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    bodies = {
+        "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2},
+        "/api/chat": {
+            "model": "smoe",
+            "messages": MESSAGES,
+            "stream": False,
+            "options": {"num_predict": 2},
+        },
+        "/v1/messages": {
+            "model": "smoe",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 2,
+        },
+    }
+    async with (
+        Engine.open(vault.path) as engine,
+        Running(engine, ServerOptions()) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        for path, body in bodies.items():
+            async with http.post(srv.base + path, data=json.dumps(body), headers=form) as r:
+                assert r.status == 200, (path, await r.text())
 
 
 async def test_edge_values_that_are_valid_are_served(vault):

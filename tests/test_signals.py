@@ -30,12 +30,17 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _start_serving(vault: Path) -> tuple[subprocess.Popen[str], str]:
-    """`smoe serve` on a free port, started as a background job; returns it once it
-    listens (its start line read from stderr, no polling) and its base URL."""
+def _start_serving(
+    vault: Path | None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`smoe serve` on a free port (``vault`` None: no model named), started as a
+    background job; returns it once it listens (its start line read from stderr, no
+    polling) and its base URL."""
+    model = [] if vault is None else [str(vault)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "smoe.cli", "serve", str(vault), "--port", "0"],
+        [sys.executable, "-m", "smoe.cli", "serve", *model, "--port", "0"],
         cwd=ROOT,
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -44,7 +49,12 @@ def _start_serving(vault: Path) -> tuple[subprocess.Popen[str], str]:
     )
     assert proc.stderr is not None
     for line in proc.stderr:
-        found = re.search(r"on (http://\S+?):(\d+)/v1", line)
+        # the start line names each API's base
+        found = re.search(
+            r"on (http://[^\s:]+):(\d+): OpenAI \S+/v1, Anthropic \S+/v1/messages, "
+            r"Ollama \S+/api;",
+            line,
+        )
         if found:
             return proc, f"{found.group(1)}:{found.group(2)}"
     proc.wait(timeout=60)
@@ -83,3 +93,34 @@ def test_the_cli_run_in_process_gives_the_callers_handlers_back(run_cli, vault):
         assert signal.getsignal(signal.SIGTERM) == before_term
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_serve_without_a_model_serves_the_demo_as_curl_asks(tmp_path):
+    """As `smoe chat`: no model named, the built-in demo (made on first use). The start
+    line names all three APIs; a body sent as `curl -d` sends it (a form content type)
+    is served on Ollama's API."""
+    import os
+
+    env = {**os.environ, "SMOE_CACHE": str(tmp_path)}
+    proc, base = _start_serving(None, env)
+    try:
+        body = json.dumps(
+            {
+                "model": "x",
+                "messages": [{"role": "user", "content": "Who was Moses?"}],
+                "stream": False,
+                "options": {"num_predict": 4},
+            }
+        ).encode()
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        req = urllib.request.Request(base + "/api/chat", data=body, headers=form)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["message"]["role"] == "assistant"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.stderr is not None
+    said = proc.stderr.read()
+    assert "Traceback" not in said
+    assert (tmp_path / "demo-kjv-qwen3-moe-v2").is_dir()  # the demo, made for it

@@ -220,23 +220,29 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
+    vault = args.vault
+    if vault is None:  # as `smoe chat`: the built-in demo
+        from smoe.chat.demo import demo_vault
+
+        vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
     options = ServerOptions(
         api_key=args.api_key,
         max_queue=args.max_queue,
-        model_name=args.vault.name,
+        model_name=Path(vault).name,
         prewarm_when_idle=args.prewarm,
         cached_bytes=parse_size(args.prefix_cache),
     )
-    async with Engine.open(args.vault, **_engine_options(args), max_batch=args.max_batch) as engine:
+    async with Engine.open(vault, **_engine_options(args), max_batch=args.max_batch) as engine:
         _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
         if await _follow_rank0(engine):
             return 0
         await _warm_up(engine, args)
 
         def ready(port: int) -> None:
+            base = f"http://{args.host}:{port}"
             print(
-                f"serving {args.vault} on http://{args.host}:{port}/v1, computing in "
-                f"{_dtype_note(engine)}",
+                f"serving {vault} on {base}: OpenAI {base}/v1, Anthropic {base}/v1/messages, "
+                f"Ollama {base}/api; computing in {_dtype_note(engine)}",
                 file=sys.stderr,
             )
 
@@ -494,7 +500,13 @@ def add_chat(sub: Any) -> None:
 def add_serve(sub: Any) -> None:
     """`smoe serve` and its options."""
     sv = sub.add_parser("serve", help="an HTTP server: OpenAI, Anthropic Messages and Ollama APIs")
-    sv.add_argument("vault", type=Path, help="a vault, or a downloaded checkpoint folder")
+    sv.add_argument(
+        "vault",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="a vault, or a downloaded checkpoint folder (default: the built-in demo)",
+    )
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

@@ -23,13 +23,19 @@ MAX_BODY_BYTES = 4 * 1024**2  # a 128k-token prompt, even JSON-escaped, fits
 MAX_DEPTH = 64  # a request needs 5 levels; deeper is an attack on the parser
 
 
+# What ``curl -d`` and other quick clients declare for a JSON body they did not label:
+# taken as JSON when it parses as JSON (as ollama, mlx_lm.server and llama-server do).
+LOOSE_TYPES = ("application/x-www-form-urlencoded", "text/plain")
+
+
 def check_content_type(header: str | None) -> None:
-    """415 unless the body is declared JSON (or not declared) in UTF-8 (RFC 8259 §8.1)."""
+    """415 unless the body is declared JSON, a loose type (``LOOSE_TYPES``: then parsed
+    as JSON like any other), or not declared, in UTF-8 (RFC 8259 §8.1)."""
     if header is None or not header.strip():
         return
     mime, *params = header.split(";")
     mime = mime.strip().lower()
-    if mime != "application/json" and not (
+    if mime not in (*LOOSE_TYPES, "application/json") and not (
         mime.startswith("application/") and mime.endswith("+json")
     ):
         raise ApiError(

@@ -30,6 +30,7 @@ class OpenAIFormat(Format):
         self.id = ("chatcmpl-" if out.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.kind = "chat.completion" if out.chat else "text_completion"
         self.sent_calls = 0  # a streamed call's index
+        self.sent_role = False  # OpenAI's first chunk of a chat stream names the role
 
     @property
     def finish(self) -> str:
@@ -67,6 +68,9 @@ class OpenAIFormat(Format):
         out = self.out
         if out.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
+            if not self.sent_role:
+                delta = {"role": "assistant", **delta}
+                self.sent_role = True
             if calls:
                 delta["tool_calls"] = [
                     {"index": self.sent_calls + i, **_call(c)} for i, c in enumerate(calls)
