@@ -502,6 +502,23 @@ async def test_a_json_body_sent_as_a_form_is_served_as_curl_sends_it(vault):
                 assert r.status == 200, (path, await r.text())
 
 
+async def test_a_request_that_sets_no_sampling_gets_the_servers_defaults(vault):
+    """Not sent, temperature and top_p are the server's (`smoe serve --temp/--top-p`, else
+    the model's generation_config, else greedy as mlx_lm.server), not OpenAI's 1.0: the
+    reply equals one that sends them. max_tokens likewise (`--max-tokens`)."""
+    ask = dict(model="smoe", prompt=[5, 6, 7], extra_body={"ignore_eos": True})
+    for temperature, top_p in ((0.0, 1.0), (0.9, 0.8)):
+        options = ServerOptions(temperature=temperature, top_p=top_p, max_tokens=5)
+        async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
+            c = srv.client()
+            unsaid = (await c.completions.create(**ask, seed=3)).choices[0]
+            said = await c.completions.create(
+                **ask, seed=3, temperature=temperature, top_p=top_p, max_tokens=5
+            )
+            assert unsaid.text == said.choices[0].text
+            assert said.usage.completion_tokens == 5
+
+
 async def test_edge_values_that_are_valid_are_served(vault):
     """Values at OpenAI's bounds are accepted, and a few map onto what they mean: top_p 0
     is greedy, top_k at or beyond the vocabulary is no top-k (it raised in mlx-lm, a

@@ -212,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from smoe.compute.runner import SamplingParams
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
     from smoe.util.sizes import parse_size
@@ -225,10 +226,21 @@ async def _serve(args: argparse.Namespace) -> int:
         from smoe.chat.demo import demo_vault
 
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
+    from smoe.chat.sampling import suggested_sampling
+
+    suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise SmoeError("--max-tokens must be at least 1")
+    temperature = suggested["temperature"] if args.temp is None else args.temp
+    top_p = suggested["top_p"] if args.top_p is None else args.top_p
+    SamplingParams(temperature=temperature, top_p=top_p).check()  # before loading
     options = ServerOptions(
         api_key=args.api_key,
         max_queue=args.max_queue,
         model_name=Path(vault).name,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=args.max_tokens if args.max_tokens is not None else 256,
         prewarm_when_idle=args.prewarm,
         cached_bytes=parse_size(args.prefix_cache),
     )
@@ -533,6 +545,22 @@ def add_serve(sub: Any) -> None:
         dest="prewarm",
         action="store_false",
         help="do not read the historically hottest experts into empty slots when idle",
+    )
+    sv.add_argument(
+        "--temp",
+        type=float,
+        default=None,
+        help="temperature of a request that sets none (default: the model's "
+        "generation_config, else 0: greedy)",
+    )
+    sv.add_argument(
+        "--top-p", type=float, default=None, help="top_p of a request that sets none (likewise)"
+    )
+    sv.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="reply tokens of a request that sets none (default 256, at most the context)",
     )
     _warm_up_option(sv)
     _memory_option(sv)

@@ -169,8 +169,8 @@ FIELDS: dict[str, Spec] = {
     "max_tokens": Spec(("integer",), required=True, lo=1, hi="max_tokens"),
     "stop_sequences": Spec(("array",), default=[],
                            check=lambda n, v, lim: check_stop(n, v, lim, most=16)),
-    "temperature": Spec(("number",), default=1.0, lo=0, hi=1),
-    "top_p": Spec(("number",), default=1.0, lo=0, hi=1),
+    "temperature": Spec(("number",), lo=0, hi=1),  # not sent: the server's default
+    "top_p": Spec(("number",), lo=0, hi=1),
     "top_k": Spec(("integer",), default=0, lo=0),
     "stream": Spec(("boolean",), default=False),
     "metadata": Spec(("object",)),

@@ -63,7 +63,6 @@ from smoe.serve.validate import Limits, validate_request
 __all__ = ["Server", "ServerOptions", "serve"]
 
 MAX_TOKENS_LIMIT = 32768
-DEFAULT_MAX_TOKENS = 256  # when a request sets none (and the context has room)
 log = logging.getLogger("smoe.serve")
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -98,6 +97,11 @@ class ServerOptions:
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     body_timeout_s: float = 60.0  # a body slower than this gets 408 (a stalled client)
+    # What a request that does not say gets (`smoe serve --temp/--top-p/--max-tokens`,
+    # else the model's generation_config; greedy as mlx_lm.server without either).
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256  # at most what the context has room for
 
 
 @dataclass
@@ -252,10 +256,13 @@ class Server:
         """The generation settings of validated ``fields`` for a ``prompt`` of so many
         tokens; ApiError 400 (context_length_exceeded) if the reply has no room."""
         top_k = fields["top_k"]
+        o = self.options
+        temperature = o.temperature if fields["temperature"] is None else fields["temperature"]
+        top_p = o.top_p if fields["top_p"] is None else fields["top_p"]
         params = SamplingParams(
             # top_p 0 keeps only the likeliest token, which is greedy decoding
-            temperature=0.0 if fields["top_p"] == 0 else fields["temperature"],
-            top_p=fields["top_p"] or 1.0,
+            temperature=0.0 if top_p == 0 else temperature,
+            top_p=top_p or 1.0,
             top_k=0 if top_k < 0 or top_k >= self.vocab else top_k,  # all tokens: off
             min_p=fields["min_p"],
             repetition_penalty=fields["repetition_penalty"],
@@ -270,7 +277,7 @@ class Server:
         room = self.engine.max_context - prompt
         max_tokens = fields["max_tokens"] or fields["max_completion_tokens"]
         if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+            max_tokens = max(1, min(o.max_tokens, room))
         if max_tokens > room:
             raise ApiError(
                 400,

@@ -289,8 +289,9 @@ FIELDS: dict[str, Spec] = {
     "max_completion_tokens": Spec(("integer",), lo=1, hi="max_tokens"),
     "stop": Spec(("string", "array"), default=[], check=check_stop),
     # sampling (OpenAI's ranges)
-    "temperature": Spec(("number",), default=1.0, lo=0, hi=2),
-    "top_p": Spec(("number",), default=1.0, lo=0, hi=1),
+    # not sent: the server's defaults (ServerOptions: --temp, --top-p, generation_config)
+    "temperature": Spec(("number",), lo=0, hi=2),
+    "top_p": Spec(("number",), lo=0, hi=1),
     "presence_penalty": Spec(("number",), default=0.0, lo=-2, hi=2),
     "frequency_penalty": Spec(("number",), default=0.0, lo=-2, hi=2),
     "seed": Spec(("integer",), lo=INT64[0], hi=INT64[1]),
