@@ -606,3 +606,44 @@ async def test_json_depth_is_linear_and_ignores_brackets_in_strings():
     t = time.perf_counter()
     json_depth(b'"\\"' * 300_000 + b"[" * 300_000)  # an open string: no backtracking
     assert time.perf_counter() - t < 1.0
+
+
+async def test_root_metrics_ps_and_an_access_line_per_request(vault, caplog):
+    """GET / says it runs and where the APIs are; /metrics is Prometheus text whose token
+    counter grows by a request's tokens; /api/ps names the loaded model; every request
+    leaves one access line with its status and tokens, never the prompt or the key."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="smoe.serve.access")
+    options = ServerOptions(api_key="sekrit-key")
+    auth = {"Authorization": "Bearer sekrit-key"}
+    async with (
+        Engine.open(vault.path) as engine,
+        Running(engine, options) as srv,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(srv.base + "/") as r:  # no key needed, as /health
+            assert r.status == 200 and (await r.json())["apis"]["ollama"] == "/api"
+
+        async def generated() -> float:
+            async with http.get(srv.base + "/metrics", headers=auth) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+            assert "# TYPE smoe_generated_tokens_total counter" in text
+            line = next(x for x in text.splitlines() if x.startswith("smoe_generated_tokens"))
+            return float(line.split()[-1])
+
+        before = await generated()
+        body = {"prompt": "a secret prompt", "max_tokens": 3, "ignore_eos": True}
+        async with http.post(srv.base + "/v1/completions", json=body, headers=auth) as r:
+            assert r.status == 200
+        assert await generated() == before + 3
+        async with http.get(srv.base + "/api/ps", headers=auth) as r:
+            ps = await r.json()
+        assert ps["models"][0]["name"] == options.model_name
+        async with http.get(srv.base + "/metrics") as r:
+            assert r.status == 401  # the key guards the rest
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "smoe.serve.access"]
+    assert any(x.startswith("POST /v1/completions 200 ") and x.endswith(" 3 tokens") for x in lines)
+    assert any(x.startswith("GET /metrics 401 ") for x in lines)
+    assert not any("secret" in x or "sekrit" in x for x in lines)

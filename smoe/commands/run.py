@@ -217,6 +217,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from smoe.serve.app import ServerOptions, serve
     from smoe.util.sizes import parse_size
 
+    _log_to_stderr(args.log_level)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
@@ -260,6 +261,22 @@ async def _serve(args: argparse.Namespace) -> int:
 
         await serve(engine, args.host, args.port, options, ready=ready)
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's log (a line per request on smoe.serve.access, failures) on stderr at
+    ``level``; other libraries' loggers stay at WARNING."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.set_name("smoe-stderr")
+    serve_log = logging.getLogger("smoe.serve")
+    serve_log.setLevel(level.upper())
+    for old in [h for h in serve_log.handlers if h.get_name() == "smoe-stderr"]:
+        serve_log.removeHandler(old)  # (main may run again in one process)
+    serve_log.addHandler(handler)
+    serve_log.propagate = False  # one line each, whatever the root logger does
 
 
 def _say_memory(engine: Any, quiet: bool) -> None:
@@ -545,6 +562,13 @@ def add_serve(sub: Any) -> None:
         dest="prewarm",
         action="store_false",
         help="do not read the historically hottest experts into empty slots when idle",
+    )
+    sv.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="info: a line per request (method, path, status, time, tokens; never a key or "
+        "a prompt); warning: failures only; debug: also malformed HTTP (default info)",
     )
     sv.add_argument(
         "--temp",

@@ -397,6 +397,13 @@ class Engine(GroupAPI):
             by_layer.setdefault(layer, []).append(expert)
         return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the engine computes on a GPU (set when it opens)."""
+        import mlx.core as mx
+
+        return bool(getattr(self, "_device", None) == mx.gpu)
+
     # ---------------------------------------------------------------- warm-up
     async def warm_up(self, **sampling: Any) -> float:
         """Run a short throwaway generation, so that MLX compiles the kernels a reply uses

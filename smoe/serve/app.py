@@ -27,12 +27,14 @@ scopes, so a cancellation from outside passes through them untouched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import logging
+import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
@@ -54,6 +56,8 @@ from smoe.serve.completion import (
     send,
     stream_failure,
 )
+from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from smoe.serve.metrics import render as render_metrics
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
 from smoe.serve.stats import server_stats
 from smoe.serve.stops import StopMatcher
@@ -84,6 +88,9 @@ class _MalformedHttp(logging.Filter):
 
 
 http_log = logging.getLogger("smoe.serve.http")  # aiohttp's protocol messages
+access_log = logging.getLogger("smoe.serve.access")  # a line per request (Server._access)
+# The tokens the request in this task generated, for its access line (set by Server._run)
+_generated: contextvars.ContextVar[list[int]] = contextvars.ContextVar("smoe_generated")
 http_log.addFilter(_MalformedHttp())
 
 
@@ -102,6 +109,15 @@ class ServerOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 256  # at most what the context has room for
+
+
+@dataclass
+class ServerCounts:
+    """What /metrics counts: requests answered by status, and their tokens."""
+
+    by_status: collections.Counter[int] = field(default_factory=collections.Counter)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 @dataclass
@@ -145,13 +161,17 @@ class Server:
         self.reused_tokens = 0  # prompt tokens whose keys and values were reused
         self.prefilled_tokens = 0  # prompt tokens run (all but each prompt's last)
         self.reply_follow_ups = 0  # chat requests that continued a cached reply's ids
+        self.counts = ServerCounts()
         self.app = web.Application(
-            middlewares=[self._errors, self._auth], client_max_size=options.max_body_bytes
+            middlewares=[self._access, self._errors, self._auth],
+            client_max_size=options.max_body_bytes,
         )
         self.vocab = engine.vault.manifest.shape.vocab_size
         self.app.add_routes(
             [
+                web.get("/", self.root),
                 web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
                 web.get("/v1/smoe/stats", self.stats),
                 web.post("/v1/chat/completions", self.chat),
@@ -162,6 +182,30 @@ class Server:
         )
 
     # ------------------------------------------------------------- middleware
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """One log line per request (INFO on logger smoe.serve.access): method, path,
+        status, seconds, generated tokens; never a key, a prompt or a reply."""
+        start = time.perf_counter()
+        status = 499  # the client went away before an answer (nginx's code)
+        generated: list[int] = []
+        _generated.set(generated)  # the handler runs in this task: it appends to it
+        try:
+            response: web.StreamResponse = await handler(request)
+            status = response.status
+            return response
+        finally:
+            self.counts.by_status[status] += 1
+            tokens = sum(generated) if generated else None
+            access_log.info(
+                "%s %s %d %.3fs%s",
+                request.method,
+                request.path,
+                status,
+                time.perf_counter() - start,
+                f" {tokens} tokens" if tokens is not None else "",
+            )
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         rid = "req_" + uuid.uuid4().hex[:20]
@@ -198,7 +242,7 @@ class Server:
             request.headers.get("Authorization", "") == f"Bearer {key}"
             or request.headers.get("x-api-key", "") == key
         )
-        if key and request.path != "/health" and not authorized:
+        if key and request.path not in ("/", "/health") and not authorized:
             raise ApiError(
                 401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
             )
@@ -208,6 +252,22 @@ class Server:
     # ------------------------------------------------------------- small endpoints
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def root(self, request: web.Request) -> web.Response:
+        """What a browser or `curl URL` sees: that it runs, which model, where the APIs are."""
+        return web.json_response(
+            {
+                "status": "S-MoE is running",
+                "model": self.options.model_name,
+                "apis": {"openai": "/v1", "anthropic": "/v1/messages", "ollama": "/api"},
+                "stats": "/v1/smoe/stats",
+                "metrics": "/metrics",
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = render_metrics(self)
+        return web.Response(text=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -430,6 +490,9 @@ class Server:
         finally:
             if seq is not None:
                 self.cache.put(seq, kept)
+            _generated.get([]).append(out.completion)  # the access line's, whatever happened
+            self.counts.prompt_tokens += len(ids)
+            self.counts.generated_tokens += out.completion
         counted = out.usage(len(ids), reused)
         if response is None:
             return web.json_response(fmt.body(counted))

@@ -201,12 +201,37 @@ def routes(server: Server) -> list[web.RouteDef]:
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
 
+    async def running(request: web.Request) -> web.Response:
+        """Ollama's /api/ps: the model in memory (one, loaded for good), and its memory:
+        the backbone and the ring (a GPU's, as VRAM, where the ring is device memory)."""
+        model = await anyio.to_thread.run_sync(_model, server)
+        engine = server.engine
+        fit = engine.fit
+        size = fit.total if fit is not None else engine.ring.nbytes
+        return web.json_response(
+            {
+                "models": [
+                    {
+                        "name": name,
+                        "model": name,
+                        "size": size,
+                        "digest": "",
+                        "details": model["details"],
+                        "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
+                        "size_vram": size if engine.on_gpu else 0,
+                        "context_length": engine.max_context,
+                    }
+                ]
+            }
+        )
+
     return [
         web.post("/api/chat", chat),
         web.post("/api/generate", generate),
         web.get("/api/tags", tags),
         web.post("/api/show", show_model),
         web.get("/api/version", version),
+        web.get("/api/ps", running),
     ]
 
 

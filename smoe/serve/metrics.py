@@ -1,0 +1,95 @@
+"""`smoe serve`'s GET /metrics: the server's counters and gauges in Prometheus' text
+exposition format (version 0.0.4), for a scraper or a dashboard. Names start with
+``smoe_``; counters end in ``_total``. Read from the same public fields as /v1/smoe/stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smoe.serve.app import Server
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _metric(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> str:
+    """One metric family: its HELP and TYPE lines, then each ``(labels, value)`` sample."""
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{labels} {value:g}" for labels, value in samples]
+    return "\n".join(lines)
+
+
+def render(server: Server) -> str:
+    """The exposition text of ``server`` now."""
+    engine = server.engine
+    sched, batcher = engine.scheduler, engine.batcher
+    stats = sched.stats
+    counts = server.counts
+    families = [
+        _metric(
+            "smoe_requests_total",
+            "counter",
+            "HTTP requests answered, by status code.",
+            ((f'{{code="{code}"}}', n) for code, n in sorted(counts.by_status.items())),
+        ),
+        _metric(
+            "smoe_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of answered generations.",
+            [("", counts.prompt_tokens)],
+        ),
+        _metric(
+            "smoe_generated_tokens_total",
+            "counter",
+            "Tokens generated for answered requests.",
+            [("", counts.generated_tokens)],
+        ),
+        _metric(
+            "smoe_prefix_reused_tokens_total",
+            "counter",
+            "Prompt tokens whose keys and values a cached prefix gave.",
+            [("", server.reused_tokens)],
+        ),
+        _metric(
+            "smoe_expert_bytes_read_total",
+            "counter",
+            "Bytes of expert records read.",
+            [("", stats.bytes_read())],
+        ),
+        _metric(
+            "smoe_expert_hit_rate",
+            "gauge",
+            "Share of expert uses served from the ring since start.",
+            [("", stats.hit_rate)],
+        ),
+        _metric(
+            "smoe_ring_slots",
+            "gauge",
+            "Expert slots of the ring, and those filled.",
+            [('{state="all"}', sched.num_slots), ('{state="filled"}', sched.fill())],
+        ),
+        _metric(
+            "smoe_read_queue_depth",
+            "gauge",
+            "Expert reads waiting, by priority; in flight.",
+            [
+                ('{queue="demand"}', sched.queue_depth(0)),
+                ('{queue="speculative"}', sched.queue_depth(1)),
+                ('{queue="in_flight"}', sched.in_flight),
+            ],
+        ),
+        _metric(
+            "smoe_batch_requests",
+            "gauge",
+            "Requests decoding together, and waiting for a place.",
+            [('{state="active"}', len(batcher.active)), ('{state="waiting"}', batcher.queued)],
+        ),
+        _metric(
+            "smoe_batch_mean_rows",
+            "gauge",
+            "Mean rows per decode step since start.",
+            [("", batcher.step_rows / batcher.steps if batcher.steps else 0.0)],
+        ),
+    ]
+    return "\n".join(families) + "\n"
