@@ -24,12 +24,28 @@ from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard,
 from smoe.errors import SmoeError
 
 
+def _version() -> str:
+    """'smoe 0.1.0 (mlx 0.32.4, mlx-lm 0.32.2)': what a bug report needs first."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from smoe import __version__
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"smoe {__version__} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="smoe",
         description="Run Mixture-of-Experts models larger than memory, streaming experts "
         "from an SSD vault, with output identical to running them in memory.",
     )
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_convert(sub)
     add_inspect(sub)

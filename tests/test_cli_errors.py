@@ -177,3 +177,26 @@ def test_an_unknown_option_is_refused(run_cli):
     with pytest.raises(SystemExit) as exit_:
         run_cli("generate", "V", "--bogus")
     assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["chat", "--top-p", "2"], "--top-p"),
+        (["chat", "--temp", "-1"], "--temp"),
+        (["chat", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["serve", "--top-p", "0"], "--top-p"),
+        (["serve", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    ],
+)
+def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, needle):
+    """Before loading (not at every turn, as `chat --top-p 2` was): one line, exit 2."""
+    code, _, err = run_cli(*argv)
+    assert_clean_error(code, err, needle)
+
+
+def test_version_names_smoe_and_mlx(run_cli, capsys):
+    with pytest.raises(SystemExit) as done:
+        run_cli("--version")
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith("smoe 0.1.0 (mlx ") and "mlx-lm " in out

@@ -179,6 +179,7 @@ async def _chat(args: argparse.Namespace) -> int:
     suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
+    _check_sampling(temperature, top_p, args.max_tokens)  # before loading, not every turn
     async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
         _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
         if await _follow_rank0(engine):
@@ -186,7 +187,8 @@ async def _chat(args: argparse.Namespace) -> int:
         print(
             f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
             f"{_dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
-            f"{top_p:g}" + (" (the model's suggestion)" if args.temp is None else ""),
+            f"{top_p:g}"
+            + (" (the model's suggestion)" if args.temp is None and args.top_p is None else ""),
             file=sys.stderr,
         )
         await _warm_up(engine, args, temperature=temperature, top_p=top_p, seed=args.seed)
@@ -212,7 +214,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from smoe.compute.runner import SamplingParams
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
     from smoe.util.sizes import parse_size
@@ -230,11 +231,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from smoe.chat.sampling import suggested_sampling
 
     suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise SmoeError("--max-tokens must be at least 1")
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
-    SamplingParams(temperature=temperature, top_p=top_p).check()  # before loading
+    _check_sampling(temperature, top_p, args.max_tokens)  # before loading
     options = ServerOptions(
         api_key=args.api_key,
         max_queue=args.max_queue,
@@ -261,6 +260,18 @@ async def _serve(args: argparse.Namespace) -> int:
 
         await serve(engine, args.host, args.port, options, ready=ready)
     return 0
+
+
+def _check_sampling(temperature: float, top_p: float, max_tokens: int | None) -> None:
+    """SmoeError naming the flag for a sampling setting no reply could use."""
+    from smoe.compute.runner import SamplingParams
+
+    if max_tokens is not None and max_tokens < 1:
+        raise SmoeError("--max-tokens must be at least 1")
+    try:
+        SamplingParams(temperature=temperature, top_p=top_p).check()
+    except SmoeError as e:
+        raise SmoeError(f"{e} (--temp, --top-p)") from None
 
 
 def _log_to_stderr(level: str) -> None:
