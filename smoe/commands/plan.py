@@ -28,7 +28,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         compute=not args.no_compute,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    plan = run(make_plan(args.model, options))
+    from smoe.vault.hub import resolve_model
+
+    plan = run(make_plan(resolve_model(args.model), options))  # a folder, or a Hub name
     print(json.dumps(plan, indent=1) if args.json else render(plan))
     return 0 if plan["fits"] else 1  # a script can tell a budget that does not fit
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import SmoeError
+from smoe.vault.hub import resolve_model
 
 
 def _id_list(text: str) -> list[int]:
@@ -37,7 +38,8 @@ async def _generate(args: argparse.Namespace) -> int:
         raise SmoeError("--system-prompt goes with --prompt TEXT (the chat template), not ids")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt  # "-": mlx-lm's stdin
     # One sequence: the memory budget keeps KV room for one (smoe.engine.budget).
-    async with Engine.open(args.vault, **_engine_options(args), max_batch=1) as engine:
+    vault = resolve_model(args.vault, download=args.download)  # a folder, or a Hub name
+    async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
         quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
         prompt, templated = _generate_prompt(engine, text, args)
         _say_memory(engine, quiet)
@@ -173,7 +175,7 @@ async def _chat(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
 
     start = time.perf_counter()
-    vault = args.vault
+    vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
     suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
@@ -223,7 +225,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
-    vault = args.vault
+    vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
     if vault is None:  # as `smoe chat`: the built-in demo
         from smoe.chat.demo import demo_vault
 
@@ -354,6 +356,15 @@ async def _follow_rank0(engine: Any) -> bool:
     return True
 
 
+def _download_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="a Hub name (org/name) not in the local Hugging Face cache is downloaded "
+        "first (without it, only a downloaded one is used)",
+    )
+
+
 def _warm_up_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warm-up",
@@ -475,7 +486,12 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 def add_generate(sub: Any) -> None:
     """`smoe generate` and its options."""
     g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
-    g.add_argument("vault", type=Path, help="a vault, or a downloaded checkpoint folder")
+    g.add_argument(
+        "vault",
+        type=Path,
+        help="a vault, a downloaded checkpoint folder, or a Hub name (org/name) in the "
+        "Hugging Face cache",
+    )
     g.add_argument(
         "--prompt",
         default=None,
@@ -510,6 +526,7 @@ def add_generate(sub: Any) -> None:
         help="record every routing decision (with deeper gate ranks) to this .npz",
     )
     g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
+    _download_option(g)
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
 
@@ -533,6 +550,7 @@ def add_chat(sub: Any) -> None:
     ch.add_argument("--top-p", type=float, default=None, help="(default: the model's suggestion)")
     ch.add_argument("--seed", type=int, default=None)
     _warm_up_option(ch)
+    _download_option(ch)
     _memory_option(ch)
     ch.set_defaults(func=cmd_chat)
 
@@ -598,5 +616,6 @@ def add_serve(sub: Any) -> None:
         help="reply tokens of a request that sets none (default 256, at most the context)",
     )
     _warm_up_option(sv)
+    _download_option(sv)
     _memory_option(sv)
     sv.set_defaults(func=cmd_serve)

@@ -59,9 +59,13 @@ def is_checkpoint_folder(path: Path) -> bool:
 
 
 def open_model(path: Path | str) -> Vault:
-    """The vault at ``path``, or the checkpoint folder there opened as a ``Source``.
-    Raises VaultError/CheckpointError/UnsupportedModelError naming the fix."""
-    path = Path(path)
+    """The vault at ``path``, or the checkpoint folder there opened as a ``Source``; a Hub
+    name (``org/name``) is its snapshot in the local Hugging Face cache
+    (smoe.vault.hub). Raises VaultError/CheckpointError/UnsupportedModelError, or
+    SmoeError for a Hub name not downloaded, naming the fix."""
+    from smoe.vault.hub import resolve_model
+
+    path = resolve_model(path)
     if is_checkpoint_folder(path):
         return Source.open(path)
     return Vault.open(path)
