@@ -95,3 +95,24 @@ def test_suggested_sampling_reads_generation_config_and_ignores_bad_values(tmp_p
     assert write([1, 2]) == GREEDY
     (tmp_path / "generation_config.json").write_text("{not json")
     assert suggested_sampling(tmp_path) == GREEDY
+
+
+def test_piped_chat_is_plain_lines(tmp_path):
+    """Standard input that is not a terminal: each line a message, each reply a line on
+    stdout, with no prompt, status bar or terminal codes (it filled the output before)."""
+    env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "xterm"}
+    done = subprocess.run(
+        [sys.executable, "-m", "smoe.cli", "chat", "--temp", "0", "--max-tokens", "16"],
+        input="Who was Moses?\n\n/stats\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "\x1b" not in out and "\r" not in out and "> " not in out
+    reply, stats = out.split("\n", 1)
+    said = re.findall(r"[A-Za-z]+", reply)
+    assert len(said) >= 5 and sum(w.lower() in WORDS for w in said) / len(said) >= 0.9, reply
+    assert stats.startswith("ring: ")  # the /stats command ran, in plain text too

@@ -110,6 +110,28 @@ class ChatApp:
                 continue
             await self.reply(text)
 
+    async def run_lines(self, lines: TextIO) -> None:
+        """The plain mode, for standard input that is not a terminal (a pipe, a file):
+        each line is a message or a /command, each reply printed as it comes; no prompt,
+        no status bar, no terminal codes. Ends at the end of the input or at /quit."""
+        import anyio
+
+        while True:
+            line = await anyio.to_thread.run_sync(lines.readline)  # blocks: off the loop
+            if not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not await self.command(text):
+                    break
+                continue
+            try:
+                await self._stream(text)
+            except SmoeError as e:
+                self.say(f"error: {e}")
+
     async def reply(self, text: str) -> None:
         """Stream a reply; Ctrl-C (SIGINT) cancels it and the chat goes on."""
         loop = asyncio.get_running_loop()

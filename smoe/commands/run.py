@@ -205,7 +205,10 @@ async def _chat(args: argparse.Namespace) -> int:
                 "seed": args.seed,
             },
         )
-        await app.run()
+        if sys.stdin.isatty():
+            await app.run()
+        else:  # piped: a line per message, without the terminal's prompt and status bar
+            await app.run_lines(sys.stdin)
     return 0
 
 
