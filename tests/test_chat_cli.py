@@ -116,3 +116,90 @@ def test_piped_chat_is_plain_lines(tmp_path):
     said = re.findall(r"[A-Za-z]+", reply)
     assert len(said) >= 5 and sum(w.lower() in WORDS for w in said) / len(said) >= 0.9, reply
     assert stats.startswith("ring: ")  # the /stats command ran, in plain text too
+
+
+def test_keys_typed_during_a_reply_are_not_echoed_into_it(tmp_path):
+    """Keys typed while a reply streams are not echoed into it (the terminal's ECHO is
+    off then); they wait for the next prompt, as type-ahead."""
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "dumb", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoe.cli",
+            "chat",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "400",
+            "--no-warm-up",
+        ],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+        close_fds=True,
+    )
+    os.close(secondary)
+    try:
+        _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
+        # (the demo's greedy answer to this runs to the 400 tokens: time to type)
+        os.write(primary, b"Tell me of the generations of Adam.\r")
+        _read_until(primary, re.compile(r"of Adam\.\n\s*\w+ \w+"), 60)  # it streams
+        os.write(primary, b"zzqq")  # typed while the reply streams
+        seen = _read_until(primary, re.compile(r"\n> .*zzqq", re.S), 120)
+        os.write(primary, b"\x15/quit\r")  # Ctrl-U clears the type-ahead first
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        os.close(primary)
+    rest_of_reply = seen.rsplit("\n> ", 1)[0]  # what streamed after the keys were typed
+    assert len(re.findall(r"\w+", rest_of_reply)) > 20  # the keys came mid-reply
+    assert "zzqq" not in rest_of_reply, rest_of_reply  # it waits at the next prompt
+
+
+def _controlling_terminal() -> None:
+    """The child's own session with the pty as its controlling terminal, so that ^C typed
+    there is SIGINT to it, as in a real terminal."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path):
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "dumb", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smoe.cli",
+            "chat",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "400",
+            "--no-warm-up",
+        ],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+        close_fds=True,
+        preexec_fn=_controlling_terminal,
+    )
+    os.close(secondary)
+    try:
+        _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
+        os.write(primary, b"Tell me of the generations of Adam.\r")
+        _read_until(primary, re.compile(r"of Adam\.\n\s*\w+ \w+"), 60)
+        os.write(primary, b"\x03")  # ^C, with ECHO off for the reply: still SIGINT
+        _read_until(primary, re.compile(r"\[reply cancelled\]\n> "), 30)
+        os.write(primary, b"/quit\r")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        os.close(primary)

@@ -8,10 +8,11 @@ prompt runs on the engine's event loop, so reads keep being served while the per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import anyio
@@ -47,6 +48,30 @@ def _bindings() -> KeyBindings:
         event.current_buffer.insert_text("\n")
 
     return kb
+
+
+@contextlib.contextmanager
+def _no_echo(stream: TextIO) -> Iterator[None]:
+    """While a reply streams, the terminal does not echo keys into it: what is typed waits,
+    unechoed, for the next prompt (type-ahead). Ctrl-C still signals (only ECHO is off).
+    Nothing to do where ``stream`` is not a terminal."""
+    try:
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            raise OSError
+        import termios
+
+        saved = termios.tcgetattr(fd)
+    except (OSError, ValueError, ImportError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 class ChatApp:
@@ -142,7 +167,8 @@ class ChatApp:
             except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
                 handler = False
             try:
-                await self._stream(text)
+                with _no_echo(sys.stdin):
+                    await self._stream(text)
             except SmoeError as e:
                 self.say(f"error: {e}")
             finally:
