@@ -104,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args))
     except SmoeError as e:
         print(f"smoe {args.command}: error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading --json output reads this too
+            import json
+
+            print(json.dumps({"error": str(e), "type": type(e).__name__, "exit_code": e.exit_code}))
         return e.exit_code
     except KeyboardInterrupt:
         print(f"smoe {args.command}: interrupted", file=sys.stderr)

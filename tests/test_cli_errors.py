@@ -200,3 +200,11 @@ def test_version_names_smoe_and_mlx(run_cli, capsys):
         run_cli("--version")
     out = capsys.readouterr().out
     assert done.value.code == 0 and out.startswith("smoe 0.1.0 (mlx ") and "mlx-lm " in out
+
+
+def test_an_error_under_json_is_json_on_stdout_too(run_cli, tmp_path):
+    """With --json, a script reads the error as JSON on stdout; the line stays on stderr."""
+    code, out, err = run_cli("generate", tmp_path / "nothing", "--prompt-ids", "5", "--json")
+    assert_clean_error(code, err, "nothing")
+    got = json.loads(out)
+    assert got["exit_code"] == 2 and "nothing" in got["error"] and got["type"].endswith("Error")
