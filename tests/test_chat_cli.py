@@ -7,6 +7,7 @@ before the prompt; the reply must be King James English, soon.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -15,7 +16,9 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from smoe.chat.sampling import GREEDY, suggested_sampling
 
@@ -118,47 +121,6 @@ def test_piped_chat_is_plain_lines(tmp_path):
     assert stats.startswith("ring: ")  # the /stats command ran, in plain text too
 
 
-def test_keys_typed_during_a_reply_are_not_echoed_into_it(tmp_path):
-    """Keys typed while a reply streams are not echoed into it (the terminal's ECHO is
-    off then); they wait for the next prompt, as type-ahead."""
-    primary, secondary = pty.openpty()
-    env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "dumb", "COLUMNS": "200"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "smoe.cli",
-            "chat",
-            "--temp",
-            "0",
-            "--max-tokens",
-            "400",
-            "--no-warm-up",
-        ],
-        stdin=secondary,
-        stdout=secondary,
-        stderr=secondary,
-        env=env,
-        close_fds=True,
-    )
-    os.close(secondary)
-    try:
-        _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
-        # (the demo's greedy answer to this runs to the 400 tokens: time to type)
-        os.write(primary, b"Tell me of the generations of Adam.\r")
-        _read_until(primary, re.compile(r"of Adam\.\n\s*\w+ \w+"), 60)  # it streams
-        os.write(primary, b"zzqq")  # typed while the reply streams
-        seen = _read_until(primary, re.compile(r"\n> .*zzqq", re.S), 120)
-        os.write(primary, b"\x15/quit\r")  # Ctrl-U clears the type-ahead first
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        os.close(primary)
-    rest_of_reply = seen.rsplit("\n> ", 1)[0]  # what streamed after the keys were typed
-    assert len(re.findall(r"\w+", rest_of_reply)) > 20  # the keys came mid-reply
-    assert "zzqq" not in rest_of_reply, rest_of_reply  # it waits at the next prompt
-
-
 def _controlling_terminal() -> None:
     """The child's own session with the pty as its controlling terminal, so that ^C typed
     there is SIGINT to it, as in a real terminal."""
@@ -169,37 +131,49 @@ def _controlling_terminal() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path):
+@contextlib.contextmanager
+def _long_reply_streaming(tmp_path, controlling: bool = False) -> Iterator[tuple[int, Any]]:
+    """`smoe chat` in a pty, greedy, with a reply under way that runs to its 400 tokens
+    (the demo's answer to this question): yields (the pty's fd, the process)."""
     primary, secondary = pty.openpty()
     env = {**os.environ, "SMOE_CACHE": str(tmp_path), "TERM": "dumb", "COLUMNS": "200"}
+    argv = ["chat", "--temp", "0", "--max-tokens", "400", "--no-warm-up"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "smoe.cli",
-            "chat",
-            "--temp",
-            "0",
-            "--max-tokens",
-            "400",
-            "--no-warm-up",
-        ],
+        [sys.executable, "-m", "smoe.cli", *argv],
         stdin=secondary,
         stdout=secondary,
         stderr=secondary,
         env=env,
         close_fds=True,
-        preexec_fn=_controlling_terminal,
+        preexec_fn=_controlling_terminal if controlling else None,
     )
     os.close(secondary)
     try:
         _read_until(primary, re.compile(r"Ctrl-D to quit"), 120)
         os.write(primary, b"Tell me of the generations of Adam.\r")
-        _read_until(primary, re.compile(r"of Adam\.\n\s*\w+ \w+"), 60)
+        _read_until(primary, re.compile(r"of Adam\.\n\s*\w+ \w+"), 60)  # it streams
+        yield primary, proc
+    finally:
+        proc.kill()
+        os.close(primary)
+
+
+def test_keys_typed_during_a_reply_are_not_echoed_into_it(tmp_path):
+    """Keys typed while a reply streams are not echoed into it (the terminal's ECHO is
+    off then); they wait for the next prompt, as type-ahead."""
+    with _long_reply_streaming(tmp_path) as (primary, proc):
+        os.write(primary, b"zzqq")  # typed while the reply streams
+        seen = _read_until(primary, re.compile(r"\n> .*zzqq", re.S), 120)
+        os.write(primary, b"\x15/quit\r")  # Ctrl-U clears the type-ahead first
+        proc.wait(timeout=30)
+    rest_of_reply = seen.rsplit("\n> ", 1)[0]  # what streamed after the keys were typed
+    assert len(re.findall(r"\w+", rest_of_reply)) > 20  # the keys came mid-reply
+    assert "zzqq" not in rest_of_reply, rest_of_reply  # it waits at the next prompt
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path):
+    with _long_reply_streaming(tmp_path, controlling=True) as (primary, proc):
         os.write(primary, b"\x03")  # ^C, with ECHO off for the reply: still SIGINT
         _read_until(primary, re.compile(r"\[reply cancelled\]\n> "), 30)
         os.write(primary, b"/quit\r")
         assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        os.close(primary)
