@@ -374,35 +374,67 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
+def build_parser(prog: str) -> argparse.ArgumentParser:
     """The options of `smoe bench policy`: one block of declarations, long only by count."""
     ap = argparse.ArgumentParser(
         prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("archive", nargs="?", help="routing archive (.npz)")
-    ap.add_argument("--preset", help="synthetic trace preset instead of an archive")
-    ap.add_argument("--tokens", type=int, default=2200)
-    ap.add_argument("--layers", type=int, help="override the preset's layer count")
+    ap.add_argument(
+        "archive", nargs="?", help="routing archive (.npz; no default: this or --preset)"
+    )
+    ap.add_argument(
+        "--preset",
+        help="synthetic trace preset (smoe.telemetry.traces) instead of an archive (default: none)",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=2200, help="with --preset: tokens traced (default 2200)"
+    )
+    ap.add_argument(
+        "--layers", type=int, help="override the preset's layer count (default: the preset's)"
+    )
     ap.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a preset's TraceParams field (repeatable), e.g. drift_tokens=64",
+        help="override a preset's TraceParams field (repeatable), e.g. drift_tokens=64 "
+        "(default: none)",
     )
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rings", default="0.25,0.5,0.75", help="fractions of the working set")
-    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
-    ap.add_argument("--phase", choices=["all", "prefill", "decode"], default="all")
-    ap.add_argument("--record-bytes", type=int)
-    ap.add_argument("--hot-share", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=1, help="seed of the trace (default 1)")
+    ap.add_argument(
+        "--rings",
+        default="0.25,0.5,0.75",
+        help="ring sizes, as fractions of the working set (default 0.25,0.5,0.75)",
+    )
+    ap.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"policies replayed (default {','.join(DEFAULT_POLICIES)})",
+    )
+    ap.add_argument(
+        "--phase",
+        choices=["all", "prefill", "decode"],
+        default="all",
+        help="the requests replayed (default all)",
+    )
+    ap.add_argument(
+        "--record-bytes",
+        type=int,
+        help="bytes per read, for the bytes figures (default: the archive's, else 0)",
+    )
+    ap.add_argument(
+        "--hot-share",
+        type=float,
+        default=0.5,
+        help="share of the ring the hot policy pins (default 0.5)",
+    )
     ap.add_argument(
         "--hint-depth",
         type=int,
         default=0,
-        help="also replay hint-taking policies fed gate ranks top_k..N-1",
+        help="also replay hint-taking policies fed gate ranks top_k..N-1 (default 0: none)",
     )
     ap.add_argument(
         "--lookahead",
@@ -414,7 +446,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--echo",
         type=int,
         default=0,
-        help="prefetch lines: gate ranks top_k..top_k+N-1 for the next token (decode)",
+        help="prefetch lines: gate ranks top_k..top_k+N-1 for the next token (decode; "
+        "default 0: none)",
     )
     ap.add_argument(
         "--foresight",
@@ -431,11 +464,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument(
         "--foresight-policies",
         default=",".join(FORESIGHT_POLICIES),
-        help="policies the prefetch lines run on",
+        help=f"policies the prefetch lines run on (default {','.join(FORESIGHT_POLICIES)})",
     )
-    ap.add_argument("--horizons", default="", help="Belady foresight in tokens, e.g. 1,8,64")
-    ap.add_argument("--json", help="write the full report here")
-    ap.add_argument("--plot", help="write a hit-rate plot (PNG) here")
+    ap.add_argument(
+        "--horizons",
+        default="",
+        help="also replay Belady with only this many tokens of foresight, e.g. 1,8,64 "
+        "(default: none)",
+    )
+    ap.add_argument("--json", help="write the full report here (default: none)")
+    ap.add_argument("--plot", help="write a hit-rate plot (PNG) here (default: none)")
     ap.add_argument("--locality", action="store_true", help="also print locality figures")
     return ap
 
@@ -461,7 +499,7 @@ def _source(ap: argparse.ArgumentParser, args: argparse.Namespace) -> RoutingArc
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.policy") -> int:
-    ap = _parser(prog)
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
     archive = _source(ap, args)
     phase = {"all": None, "prefill": 0, "decode": 1}[args.phase]

@@ -220,10 +220,46 @@ def add_bench(sub: Any) -> None:
     _add_bench_routing(bsub)
 
 
+def _bench_seed(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--seed", type=int, default=0, help=f"seed of {what} (default 0)")
+
+
+def _bench_tokens(p: argparse.ArgumentParser, prompt: int, reply: int) -> None:
+    """--prompt-tokens and --max-tokens, with this benchmark's defaults."""
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=prompt,
+        help=f"tokens of the random prompt (default {prompt})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=reply,
+        help=f"tokens decoded, where the benchmark decodes (default {reply})",
+    )
+
+
+def _bench_device(p: argparse.ArgumentParser) -> None:
+    """--device and --ring, as the run commands take them."""
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="compute device (default: MLX's, the GPU where there is one)",
+    )
+    p.add_argument(
+        "--ring",
+        choices=("auto", "unified", "staged"),
+        default="auto",
+        help="where reads land, as in `smoe generate` (default auto)",
+    )
+
+
 def _add_bench_io(bsub: Any) -> None:
     """`smoe bench`: reads: the streamer against raw O_DIRECT."""
     bio = bsub.add_parser("io", help="streamer read throughput vs a raw O_DIRECT baseline")
-    bio.add_argument("vault", type=Path)
+    bio.add_argument("vault", type=Path, help="the vault whose records are read")
     bio.add_argument(
         "--workers",
         type=_int_list,
@@ -234,15 +270,22 @@ def _add_bench_io(bsub: Any) -> None:
         "--reads", type=int, default=None, help="records read per run (default: every record once)"
     )
     bio.add_argument(
-        "--repeats", type=int, default=4, help="runs of each kind per worker count, in ABBA order"
+        "--repeats",
+        type=int,
+        default=4,
+        help="runs of each kind per worker count, in ABBA order (default 4)",
     )
-    bio.add_argument("--batch", type=int, default=8, help="experts per acquire (top-k)")
-    bio.add_argument("--slots", type=int, default=64, help="ring slots for the streamer")
+    bio.add_argument(
+        "--batch", type=int, default=8, help="experts per acquire, as a top-k (default 8)"
+    )
+    bio.add_argument(
+        "--slots", type=int, default=64, help="ring slots for the streamer (default 64)"
+    )
     bio.add_argument(
         "--path",
         default="unified",
         help="rings to measure: unified (reads land in the slots), staged (disk -> host "
-        "landing -> device arrays), or both: unified,staged",
+        "landing -> device arrays), or both: unified,staged (default unified)",
     )
     bio.add_argument(
         "--busy",
@@ -253,7 +296,8 @@ def _add_bench_io(bsub: Any) -> None:
     bio.add_argument(
         "--parts",
         default="auto",
-        help="parts the streamer reads each record in, e.g. auto,1 (auto: one per 2 MB, at most 4)",
+        help="parts the streamer reads each record in, e.g. auto,1 (default auto: one per "
+        "2 MB, at most 4)",
     )
     bio.add_argument(
         "--no-verify",
@@ -267,23 +311,22 @@ def _add_bench_io(bsub: Any) -> None:
         help="also time a second baseline per repeat: control_ratio (baseline / baseline) is "
         "how far two identical runs differ on this disk, the noise floor of ratio",
     )
-    bio.add_argument("--seed", type=int, default=0)
+    _bench_seed(bio, "the records' order")
     bio.set_defaults(func=cmd_bench_io)
 
 
 def _add_bench_generate(bsub: Any) -> None:
     """`smoe bench`: prefill and decode at several budgets."""
     bg = bsub.add_parser("generate", help="prefill and decode at several memory budgets")
-    bg.add_argument("vault", type=Path)
+    bg.add_argument("vault", type=Path, help="the vault to run")
     bg.add_argument(
         "--budgets",
         default="min,half,all",
         help="comma list of min, half, all or sizes like 2GB (default min,half,all)",
     )
-    bg.add_argument("--prompt-tokens", type=int, default=128)
-    bg.add_argument("--max-tokens", type=int, default=32)
-    bg.add_argument("--workers", type=int, default=4)
-    bg.add_argument("--seed", type=int, default=0)
+    _bench_tokens(bg, prompt=128, reply=32)
+    bg.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    _bench_seed(bg, "the random prompt")
     bg.set_defaults(func=cmd_bench_generate)
 
 
@@ -294,31 +337,38 @@ def _add_bench_limits(bsub: Any) -> None:
         ("prefill", 256, "time to first token and prefill tok/s of a long prompt"),
     ):
         bd = bsub.add_parser(name, help=doc)
-        bd.add_argument("vault", type=Path)
+        bd.add_argument("vault", type=Path, help="the vault to run")
         bd.add_argument(
             "--budgets",
             default="min,half,all",
-            help="comma list of min, half, all, shares like 25%% or sizes like 2GB",
+            help="comma list of min, half, all, shares like 25%% or sizes like 2GB "
+            "(default min,half,all)",
         )
-        bd.add_argument("--device", choices=("cpu", "gpu"), default=None)
-        bd.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+        _bench_device(bd)
         bd.add_argument(
             "--read-parts",
             type=int,
             default=None,
             help="parts each record is read in at once (default: one per 2 MB, at most 4)",
         )
-        bd.add_argument("--prompt-tokens", type=int, default=prompt_default)
-        bd.add_argument("--max-tokens", type=int, default=48)
-        bd.add_argument("--workers", type=int, default=4)
-        bd.add_argument("--seed", type=int, default=0)
-        bd.add_argument("--spec", type=int, default=0, help="gate-echo bets (decode only)")
-        bd.add_argument("--no-lookahead", dest="lookahead", action="store_false")
+        _bench_tokens(bd, prompt=prompt_default, reply=48)
+        bd.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+        _bench_seed(bd, "the random prompt")
+        bd.add_argument(
+            "--spec", type=int, default=0, help="gate-echo bets (decode only; default 0)"
+        )
+        bd.add_argument(
+            "--no-lookahead",
+            dest="lookahead",
+            action="store_false",
+            help="do not prefetch the next layer's predicted experts (decode only)",
+        )
         bd.add_argument(
             "--plot",
             type=Path,
             default=None,
-            help="write a PNG of the per-token time breakdown (needs smoe[plot])",
+            help="decode: write a PNG of the per-token time breakdown here (needs "
+            "smoe[plot]; default: none)",
         )
         bd.set_defaults(func=cmd_bench_limits)
 
@@ -328,13 +378,13 @@ def _add_bench_resident(bsub: Any) -> None:
     br = bsub.add_parser(
         "resident", help="every expert resident: the engine against mlx-lm in memory"
     )
-    br.add_argument("vault", type=Path)
-    br.add_argument("--prompt-tokens", type=int, default=256)
-    br.add_argument("--max-tokens", type=int, default=64)
-    br.add_argument("--prefill-chunk", type=int, default=64)
-    br.add_argument("--seed", type=int, default=0)
-    br.add_argument("--device", choices=("cpu", "gpu"), default=None)
-    br.add_argument("--ring", choices=("auto", "unified", "staged"), default="auto")
+    br.add_argument("vault", type=Path, help="the vault to run")
+    _bench_tokens(br, prompt=256, reply=64)
+    br.add_argument(
+        "--prefill-chunk", type=int, default=64, help="prompt tokens per chunk (default 64)"
+    )
+    _bench_seed(br, "the random prompt")
+    _bench_device(br)
     br.set_defaults(func=cmd_bench_resident)
 
 
@@ -349,12 +399,23 @@ def _add_bench_routing(bsub: Any) -> None:
     # Its options are smoe.bench.policy's own: main() hands it what this parser does not know.
     bp.set_defaults(func=cmd_bench_policy, passthrough=True)
     bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
-    bl.add_argument("archive", type=Path)
+    bl.add_argument(
+        "archive", type=Path, help="a routing archive (.npz, smoe generate --routing-archive)"
+    )
     bl.set_defaults(func=cmd_bench_locality)
     bt = bsub.add_parser("trace", help="write a synthetic routing trace with published locality")
-    bt.add_argument("out", type=Path)
-    bt.add_argument("--preset", default="qwen3-235b-like")
-    bt.add_argument("--tokens", type=int, default=2000)
-    bt.add_argument("--layers", type=int, default=None)
-    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("out", type=Path, help="the archive (.npz) to write")
+    bt.add_argument(
+        "--preset",
+        default="qwen3-235b-like",
+        help="a preset of smoe.telemetry.traces (default qwen3-235b-like)",
+    )
+    bt.add_argument("--tokens", type=int, default=2000, help="tokens traced (default 2000)")
+    bt.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override the preset's layer count (default: the preset's)",
+    )
+    _bench_seed(bt, "the trace")
     bt.set_defaults(func=cmd_bench_trace)

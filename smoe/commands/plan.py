@@ -110,8 +110,18 @@ def add_plan(sub: Any) -> None:
         default=None,
         help="the whole process's budget, e.g. 8GB (default: the engine's default budget)",
     )
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="compute device (default: MLX's, the GPU where there is one)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
+    )
     p.add_argument(
         "--max-context",
         "--context",
@@ -121,7 +131,13 @@ def add_plan(sub: Any) -> None:
         help="tokens the KV caches hold (default 4096, or the model's maximum if smaller; "
         "with --memory, halved down to 512 until it fits: as the run commands)",
     )
-    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantized KV cache")
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantized KV cache, as the run commands' (default: off, the model's dtype)",
+    )
     p.add_argument(
         "--max-batch", type=int, default=1, help="sequences decoded together (default 1)"
     )

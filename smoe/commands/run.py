@@ -324,7 +324,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _distributed_options(p: argparse.ArgumentParser) -> None:
+def _distributed_options(p: Any) -> None:
     """--distributed and --collective-timeout (docs/distributed.md)."""
     p.add_argument(
         "--distributed",
@@ -334,7 +334,7 @@ def _distributed_options(p: argparse.ArgumentParser) -> None:
         metavar="BACKEND",
         help="expert parallelism across the ranks mlx.launch started (docs/distributed.md): "
         "each rank reads and computes its own experts; rank 0 talks to the user. BACKEND: "
-        "any (the launcher's), ring, mpi, nccl or jaccl",
+        "any (the launcher's), ring, mpi, nccl or jaccl (default: off, one process)",
     )
     p.add_argument(
         "--collective-timeout",
@@ -357,6 +357,16 @@ async def _follow_rank0(engine: Any) -> bool:
     print(f"rank {engine.ranks.rank} of {engine.ranks.size}: following rank 0", file=sys.stderr)
     await engine.follow()
     return True
+
+
+def _seed_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for sampling: the same seed, prompt and options give the same reply "
+        "(default: none, MLX's random state)",
+    )
 
 
 def _download_option(p: argparse.ArgumentParser) -> None:
@@ -387,10 +397,13 @@ async def _warm_up(engine: Any, args: argparse.Namespace, **sampling: Any) -> No
     print(f"{seconds:.1f} s", file=sys.stderr)
 
 
+ADVANCED = "advanced (ring and policy)"  # the title the tuning knobs' --help group has
+
+
 def _memory_option(p: argparse.ArgumentParser) -> None:
-    """The engine options generate, chat and serve share: --memory, --slots, --policy ...
-    (one block of option declarations: long only by count)."""
-    _distributed_options(p)
+    """The engine options generate, chat and serve share: the basics (--memory,
+    --max-context, --dtype, --device) among the command's own, then the ring and policy
+    knobs and the distributed ones in groups of their own, so --help shows the basics first."""
     p.add_argument(
         "--memory",
         default=None,
@@ -409,24 +422,10 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "512 until it fits)",
     )
     p.add_argument(
-        "--slots", type=int, default=None, help="ring size in experts (wins over --memory)"
-    )
-    p.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
-    p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
-    )
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per chunk")
-    p.add_argument(
-        "--kv-bits",
-        type=int,
-        choices=(4, 8),
-        default=None,
-        help="quantize the KV cache to 4 or 8 bits (mlx-lm's; 0.28x or 0.16x of a float32 "
-        "cache, 0.56x or 0.31x of bf16's; budgeted in --memory): output matches mlx-lm "
-        "with the same setting",
     )
     p.add_argument(
         "--device",
@@ -434,42 +433,75 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         default=None,
         help="compute device (default: MLX's, the GPU where there is one)",
     )
-    p.add_argument(
+    advanced = p.add_argument_group(
+        ADVANCED, "how the expert ring is sized, read, evicted and prefetched into"
+    )
+    _ring_options(advanced)
+    _speculation_options(advanced)
+    _distributed_options(p.add_argument_group("distributed (docs/distributed.md)"))
+
+
+def _ring_options(g: Any) -> None:
+    """The advanced group's ring knobs: its size, its reads, its policy, the KV cache."""
+    g.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="ring size in experts (wins over --memory; default: what --memory leaves)",
+    )
+    g.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    g.add_argument(
+        "--prefill-chunk", type=int, default=64, help="prompt tokens per chunk (default 64)"
+    )
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the KV cache to 4 or 8 bits (mlx-lm's; 0.28x or 0.16x of a float32 "
+        "cache, 0.56x or 0.31x of bf16's; budgeted in --memory): output matches mlx-lm "
+        "with the same setting (default: off, the model's dtype)",
+    )
+    g.add_argument(
         "--ring",
         choices=("auto", "unified", "staged"),
         default="auto",
         help="where reads land: unified (in the slots: CPU, Apple) or staged (host landing "
         "buffers copied into device arrays in the compute dtype: CUDA GPUs, and vaults whose "
-        "scales are not in the compute dtype); auto picks (docs/gpu.md)",
+        "scales are not in the compute dtype); default auto: it picks (docs/gpu.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--policy",
         default="lfu",
         help="ring eviction policy: lfu (default), lru, slru, arc, lru-layer; lfu+hint, "
         "lru+hint and lru-layer+hint also feed it the router's near misses "
         "(docs/cache-policy.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--hint-depth",
         type=int,
         default=None,
         help="with a +hint policy: hint gate ranks top_k..N-1 (default 4 x top_k)",
     )
-    p.add_argument(
+
+
+def _speculation_options(g: Any) -> None:
+    """The advanced group's prefetch and draft knobs (docs/speculation.md, docs/draft.md)."""
+    g.add_argument(
         "--no-lookahead",
         dest="lookahead",
         action="store_false",
         help="do not prefetch the next layer's experts predicted by its router on this "
         "layer's input (on by default: docs/speculation.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--spec",
         type=int,
         default=0,
         help="gate-echo bets: prefetch gate ranks k..k+N-1 for the next token "
         "(default 0: measured net negative so far, docs/speculation.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--draft",
         choices=("ngram",),
         default=None,
@@ -477,7 +509,7 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "output unchanged; off by default, and off for a request while it does not pay: "
         "docs/draft.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--draft-tokens",
         type=int,
         default=4,
@@ -499,24 +531,51 @@ def add_generate(sub: Any) -> None:
         "--prompt",
         default=None,
         help="prompt text, sent through the model's chat template as a user message (as "
-        "mlx-lm does); - reads it from standard input",
+        "mlx-lm does); - reads it from standard input (no default: this or --prompt-ids)",
     )
     g.add_argument(
-        "--prompt-ids", type=_id_list, default=None, help="prompt token ids, as given: 1,2,3"
+        "--prompt-ids",
+        type=_id_list,
+        default=None,
+        help="prompt token ids, as given: 1,2,3 (no default: this or --prompt)",
     )
-    g.add_argument("--system-prompt", default=None, help="a system message before the prompt")
+    g.add_argument(
+        "--system-prompt", default=None, help="a system message before the prompt (default: none)"
+    )
     g.add_argument(
         "--ignore-chat-template",
         action="store_true",
         help="tokenize the prompt text as it is, without the chat template",
     )
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--max-tokens", type=int, default=128, help="most tokens to generate (default 128)"
+    )
+    g.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens whose probabilities reach P "
+        "(default 1.0: all)",
+    )
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample from the K likeliest tokens (default 0: all)"
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than P x the likeliest's (default 0.0: none)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="penalize tokens already in the context, as mlx-lm does (default 1.0: none)",
+    )
+    _seed_option(g)
     g.add_argument(
         "--json",
         action="store_true",
@@ -526,9 +585,14 @@ def add_generate(sub: Any) -> None:
         "--routing-archive",
         type=Path,
         default=None,
-        help="record every routing decision (with deeper gate ranks) to this .npz",
+        help="record every routing decision (with deeper gate ranks) to this .npz (default: none)",
     )
-    g.add_argument("--archive-depth", type=int, default=16, help="gate ranks kept per decision")
+    g.add_argument(
+        "--archive-depth",
+        type=int,
+        default=16,
+        help="with --routing-archive: gate ranks kept per decision (default 16)",
+    )
     _download_option(g)
     _memory_option(g)
     g.set_defaults(func=cmd_generate)
@@ -545,13 +609,24 @@ def add_chat(sub: Any) -> None:
         help="vault or downloaded checkpoint folder (default: the built-in demo, made on "
         "first use)",
     )
-    ch.add_argument("--system", default=None, help="system prompt")
-    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--system", default=None, help="system prompt (default: none)")
     ch.add_argument(
-        "--temp", type=float, default=None, help="temperature (default: the model's suggestion)"
+        "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)"
     )
-    ch.add_argument("--top-p", type=float, default=None, help="(default: the model's suggestion)")
-    ch.add_argument("--seed", type=int, default=None)
+    ch.add_argument(
+        "--temp",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the model's generation_config, else 0: greedy)",
+    )
+    ch.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample from the smallest set of tokens whose probabilities reach P (default: "
+        "the model's generation_config, else 1.0: all)",
+    )
+    _seed_option(ch)
     _warm_up_option(ch)
     _download_option(ch)
     _memory_option(ch)
@@ -569,13 +644,17 @@ def add_serve(sub: Any) -> None:
         help="a vault, or a downloaded checkpoint folder (default: the built-in demo)",
     )
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
+    sv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: none, no key asked)",
+    )
     sv.add_argument(
         "--max-queue",
         type=int,
         default=16,
-        help="requests that may wait for a place in the batch; more get 429",
+        help="requests that may wait for a place in the batch; more get 429 (default 16)",
     )
     sv.add_argument(
         "--max-batch",
@@ -587,7 +666,8 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--prefix-cache",
         default="2GB",
-        help="memory for the KV caches kept for prefix reuse (last 8 requests; 0: off)",
+        help="memory for the KV caches kept for prefix reuse (last 8 requests; 0: off; "
+        "default 2GB)",
     )
     sv.add_argument(
         "--no-prewarm",
@@ -610,7 +690,11 @@ def add_serve(sub: Any) -> None:
         "generation_config, else 0: greedy)",
     )
     sv.add_argument(
-        "--top-p", type=float, default=None, help="top_p of a request that sets none (likewise)"
+        "--top-p",
+        type=float,
+        default=None,
+        help="top_p of a request that sets none (default: the model's generation_config, "
+        "else 1.0: all)",
     )
     sv.add_argument(
         "--max-tokens",

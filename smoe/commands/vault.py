@@ -222,7 +222,7 @@ def add_shard(sub: Any) -> None:
     s.add_argument("--ranks", type=int, required=True, help="ranks in the group")
     s.add_argument("--rank", type=int, required=True, help="the rank this shard is for")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_shard)
 
 
@@ -259,9 +259,16 @@ def add_convert(sub: Any) -> None:
         type=int,
         choices=BITS_CHOICES[:-1],
         default=None,
-        help="also quantize the backbone's linear layers (routers stay float)",
+        help="also quantize the backbone's linear layers (routers stay float; default: "
+        "the backbone stays float, an MLX-quantized source's as it is)",
     )
-    c.add_argument("--backbone-group-size", type=int, choices=GROUP_CHOICES, default=64)
+    c.add_argument(
+        "--backbone-group-size",
+        type=int,
+        choices=GROUP_CHOICES,
+        default=64,
+        help="with --backbone-bits: its quantization group size (default 64)",
+    )
     c.add_argument("--force", action="store_true", help="replace an existing vault")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert)
@@ -282,7 +289,7 @@ def add_inspect(sub: Any) -> None:
         help="re-read every record (checksum, zero padding) and check the backbone's and "
         "config's checksums (exit 1 if any is bad)",
     )
-    i.add_argument("--quiet", action="store_true")
+    i.add_argument("--quiet", action="store_true", help="no progress bar for --verify")
     i.set_defaults(func=cmd_inspect)
 
 
@@ -293,7 +300,7 @@ def add_synth(sub: Any) -> None:
 
     # synth's choices are checked by synthesize(): importing it here would load torch.
     s = sub.add_parser("synth", help="write a random, decisive MoE checkpoint (HF format)")
-    s.add_argument("out", type=Path)
+    s.add_argument("out", type=Path, help="checkpoint folder to create")
     s.add_argument(
         "--arch",
         default="qwen3_moe",
@@ -305,18 +312,33 @@ def add_synth(sub: Any) -> None:
         help="tiny (default), demo, qwen3-30b-a3b, qwen3-235b-a22b (real expert "
         "geometry, few layers)",
     )
-    s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
-    s.add_argument("--force", action="store_true")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override the preset's layer count (default: the preset's)",
+    )
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the same seed (and options) always writes the same files (default 0)",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="bfloat16",
+        help="dtype of the weights (default bfloat16)",
+    )
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_synth)
 
 
 def add_export(sub: Any) -> None:
     """`smoe export` and its options."""
     e = sub.add_parser("export", help="write a vault back out as an mlx-lm model folder")
-    e.add_argument("vault", type=Path)
-    e.add_argument("out", type=Path)
-    e.add_argument("--force", action="store_true")
+    e.add_argument("vault", type=Path, help="the (full) vault to export")
+    e.add_argument("out", type=Path, help="mlx-lm model folder to create")
+    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.set_defaults(func=cmd_export)
