@@ -18,6 +18,20 @@ if TYPE_CHECKING:
     from smoe.vault.inspect import BadRecord, FileCheck
 
 
+# What each stage of a progress callback counts (synthesize, convert, cut_shard).
+_STAGE_UNITS = {"weights": "B", "experts": "layer", "records": "record"}
+
+
+def bar_units(stage: str) -> dict[str, Any]:
+    """tqdm's unit options for ``stage``: a stage that counts bytes shows them scaled in
+    decimal units (kB, MB, GB), as format_bytes prints every other size; the tokenizer and
+    backbone stages count their one file."""
+    unit = _STAGE_UNITS.get(stage, "file")
+    if unit == "B":
+        return {"unit": "B", "unit_scale": True, "unit_divisor": 1000}
+    return {"unit": unit}
+
+
 def _progress_bar(desc: str, quiet: bool) -> Callable[[str, int, int], None] | None:
     """A tqdm-backed progress callback (stage, done, total), or None when quiet."""
     if quiet:
@@ -32,10 +46,10 @@ def _progress_bar(desc: str, quiet: bool) -> Callable[[str, int, int], None] | N
             bar = bars[stage] = tqdm(
                 total=total,
                 desc=f"{desc} {stage}",
-                unit="layer" if stage == "experts" else "part",
                 file=sys.stderr,
                 leave=True,
                 dynamic_ncols=True,
+                **bar_units(stage),
             )
         bar.update(done - bar.n)
         if done >= total:
