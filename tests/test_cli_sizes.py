@@ -3,6 +3,7 @@ and one vault's slot size is one figure in every command."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -30,3 +31,50 @@ def test_each_stage_bar_names_what_it_counts(stage, unit):
     # Bytes in decimal units, as format_bytes prints sizes everywhere else.
     assert options.get("unit_divisor", 1000) == 1000
     assert options.get("unit_scale", False) == (unit == "B")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from smoe.synth import synthesize
+
+    return synthesize(tmp_path_factory.mktemp("sizes") / "src", preset="tiny", seed=28)
+
+
+def _slot_figures(text: str) -> list[str]:
+    """Every slot size a command's output states, by the words each command uses."""
+    patterns = (
+        r"records in slots of (\S+ [KMGT]?B)",  # convert
+        r"records +\d+ x (\S+ [KMGT]?B) slots",  # inspect
+        r"\(top-\d+\), (\S+ [KMGT]?B) each",  # plan
+        r"= \d+ experts x (\S+ [KMGT]?B)",  # the --memory line of plan, generate, chat, serve
+    )
+    return [m for p in patterns for m in re.findall(p, text)]
+
+
+def test_one_vault_one_slot_size_in_every_command(source, tmp_path, run_cli, monkeypatch):
+    """convert, inspect, plan and generate print the ring slot's size (the record stride a
+    unified ring allocates), in format_bytes' units, where they printed the payload in some
+    and the stride in others."""
+    from smoe.util.sizes import format_bytes
+    from smoe.vault.format import Vault
+
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path / "cache"))  # plan's disk probe cache
+    vault = tmp_path / "v"
+    outputs = {}
+    code, outputs["convert"], _ = run_cli("convert", source, vault, "--dtype", "float32", "--quiet")
+    assert code == 0
+    stride = Vault.open(vault).manifest.record.stride
+    assert Vault.open(vault).manifest.record.size < stride  # payload and slot differ here
+    code, outputs["inspect"], _ = run_cli("inspect", vault)
+    assert code == 0
+    plan = ("plan", vault, "--no-compute", "--probe-seconds", "0.2", "--memory", "400MB")
+    code, outputs["plan"], _ = run_cli(*plan, "--device", "cpu")
+    assert code == 0
+    generate = ("generate", vault, "--prompt-ids", "1,2", "--max-tokens", "1", "--device", "cpu")
+    code, _, outputs["generate"] = run_cli(*generate, "--memory", "400MB")
+    assert code == 0
+    for command, text in outputs.items():
+        figures = _slot_figures(text)
+        assert figures and set(figures) == {format_bytes(stride)}, (command, text)
+    code, out, _ = run_cli(*generate, "--json")
+    assert code == 0 and json.loads(out)["stats"]["slot_bytes"] == stride

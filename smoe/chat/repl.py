@@ -23,6 +23,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from smoe.engine import Engine
 from smoe.engine.conversation import Conversation
 from smoe.errors import SmoeError
+from smoe.io.ring import slot_size
 from smoe.util.sizes import format_bytes
 
 HELP = """commands:
@@ -229,7 +230,7 @@ class ChatApp:
         st = self.engine.scheduler.stats
         lines = [
             f"ring: {self.engine.scheduler.fill()}/{self.engine.scheduler.num_slots} slots "
-            f"of {format_bytes(self.engine.ring.stride)}; hits {st.hits}, misses {st.misses}, "
+            f"of {format_bytes(slot_size(self.engine.ring))}; hits {st.hits}, misses {st.misses}, "
             f"read {format_bytes(st.bytes_read())} in total",
             f"compute: {compute_dtype_note(e.vault, e.dtype, e.options.dtype is not None)}",
         ]

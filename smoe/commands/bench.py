@@ -72,6 +72,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 def cmd_bench_generate(args: argparse.Namespace) -> int:
     from smoe.bench.generate import bench_generate
     from smoe.util.loop import run
+    from smoe.util.sizes import format_bytes
 
     report = run(
         bench_generate(
@@ -89,7 +90,7 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
             f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
             f"prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
             f"decode hit {100 * r['decode_hit_rate']:.0f}%, "
-            f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token, "
+            f"{format_bytes(r['decode_bytes_per_token'])}/token, "
             f"I/O wait {100 * r['decode_io_wait_share']:.0f}% of decode",
             file=sys.stderr,
         )
@@ -125,6 +126,8 @@ def cmd_bench_resident(args: argparse.Namespace) -> int:
 
 def cmd_bench_limits(args: argparse.Namespace) -> int:
     """`smoe bench decode` and `smoe bench prefill` (args.bench says which)."""
+    from smoe.util.sizes import format_bytes
+
     report = _measure_limits(args)
     if args.plot and args.bench == "decode":
         from smoe.bench.plots import plot_time_breakdown
@@ -138,13 +141,13 @@ def cmd_bench_limits(args: argparse.Namespace) -> int:
                 f"{r['budget']:>6} ({r['ring_slots']} slots): {r['decode_tok_s']:.2f} tok/s, "
                 f"{1e3 * r['time_per_token_s']:.1f} ms/token vs limit "
                 f"{1e3 * r['physical_limit_s']:.1f} ms ({r['ratio_to_limit']:.2f}x); "
-                f"hit {100 * r['decode_hit_rate']:.0f}%, {r['bytes_per_token'] / 1e6:.1f} MB/token",
+                f"hit {100 * r['decode_hit_rate']:.0f}%, {format_bytes(r['bytes_per_token'])}/token",
                 file=sys.stderr,
             )
         else:
             print(
                 f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
-                f"{r['prefill_tok_s']:.1f} tok/s, read {r['prefill_bytes'] / 1e6:.0f} MB",
+                f"{r['prefill_tok_s']:.1f} tok/s, read {format_bytes(r['prefill_bytes'])}",
                 file=sys.stderr,
             )
     return 0

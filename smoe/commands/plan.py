@@ -35,18 +35,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan["fits"] else 1  # a script can tell a budget that does not fit
 
 
-def _gb(n: float) -> str:
-    from smoe.util.sizes import format_bytes
-
-    return format_bytes(n)
-
-
 def _band(pair: list[float], unit: str) -> str:
     return f"{pair[0]:g} - {pair[1]:g} {unit}"
 
 
 def render(plan: dict[str, Any]) -> str:
     """The plan as a human table."""
+    from smoe.util.sizes import format_bytes
+
     e = plan["experts"]
     rows = [
         ("model", f"{plan['model']} ({plan['kind']})"),
@@ -54,7 +50,8 @@ def render(plan: dict[str, Any]) -> str:
         (
             "experts",
             f"{e['records']} = {e['moe_layers']} layers x {e['per_layer']} (top-{e['top_k']}), "
-            f"{_gb(e['record_bytes'])} each, {_gb(e['all_bytes'])} in all",
+            # The slot, what the ring allocates per expert: all_bytes is records x it.
+            f"{format_bytes(e['slot_bytes'])} each, {format_bytes(e['all_bytes'])} in all",
         ),
         ("smallest memory", plan["smallest_memory"]),
         ("every expert", plan["memory_for_every_expert"]),

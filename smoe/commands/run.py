@@ -31,6 +31,7 @@ async def _generate(args: argparse.Namespace) -> int:
     import anyio
 
     from smoe.engine import Engine
+    from smoe.io.ring import slot_size
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -52,6 +53,7 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["ring_slots"] = engine.ring.num_slots
         stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
         stats["ring_bytes"] = engine.ring.nbytes
+        stats["slot_bytes"] = slot_size(engine.ring)  # the figure inspect and plan print
         if engine.runner.drafting is not None:
             stats["draft"] = engine.runner.drafting.stats.to_json()  # passes, acceptance
         if args.routing_archive:

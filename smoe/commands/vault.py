@@ -76,9 +76,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     m = vault.manifest
     src_bytes = m.source["bytes"]
     print(
-        f"wrote {vault.path}: {m.num_records} expert records of {format_bytes(m.record.size)}, "
-        f"backbone {format_bytes(m.backbone['bytes'])}, in {seconds:.1f} s "
-        f"({src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source)"
+        f"wrote {vault.path}: {m.num_records} expert records in slots of "
+        f"{format_bytes(m.record.stride)}, backbone {format_bytes(m.backbone['bytes'])}, in "
+        f"{seconds:.1f} s ({src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source)"
     )
     return 0
 

@@ -283,7 +283,8 @@ class Fit:
 
     def line(self) -> str:
         """'memory 8.00 GB: backbone 2.10 GB + KV 0.50 GB (4096 context, 8-bit) + working
-        0.60 GB -> ring 4.80 GB = 310 experts (5.2%)'."""
+        0.60 GB -> ring 4.80 GB = 310 experts x 15.48 MB (5.2%)': x the slot's size, the
+        figure `smoe inspect` and `smoe plan` print for the vault."""
         bits = "model dtype" if self.kv_bits is None else f"{self.kv_bits}-bit"
         seqs = f"{self.sequences} x " if self.sequences > 1 else ""
         return (
@@ -292,7 +293,8 @@ class Fit:
             f"{' by default, --max-context for more' if self.default_context else ''}, {bits}) "
             "+ working "
             f"{format_bytes(self.working)} -> ring {format_bytes(self.ring)} = {self.slots} "
-            f"experts ({100 * self.slots / self.num_records:.1f}%)"
+            f"experts x {format_bytes(self.slot_bytes)} "
+            f"({100 * self.slots / self.num_records:.1f}%)"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -75,6 +75,12 @@ def check_ring_args(layout: RecordLayout, num_slots: int) -> None:
         raise ValueError(f"record stride {layout.stride} is not a multiple of {RECORD_ALIGN}")
 
 
+def slot_size(ring: ExpertRing) -> int:
+    """Memory one slot of ``ring`` takes: the record stride in a unified ring, the device
+    arrays of one expert in a staged one (the per-slot figure the budget divides by)."""
+    return ring.nbytes // ring.num_slots
+
+
 def suggest_size(nbytes: int) -> str:
     """A round --memory value >= nbytes: 84.9 MB -> '85MB', 1.23 GB -> '1.3GB'."""
     for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):

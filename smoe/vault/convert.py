@@ -33,6 +33,7 @@ from smoe.util.files import (
     temp_path,
     write_json_atomic,
 )
+from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault, file_checksum
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.layout import RecordLayout
@@ -298,7 +299,8 @@ def _check_free_space(plan: ConversionPlan, layout: RecordLayout, parent: Path) 
     if need > free:
         raise SmoeError(
             f"not enough free space for the vault on {parent}: it needs about "
-            f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; free some or choose another path"
+            f"{format_bytes(need)}, {format_bytes(free)} are free; free some or choose another "
+            "path"
         )
 
 

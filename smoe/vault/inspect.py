@@ -75,8 +75,9 @@ def render(info: dict[str, Any]) -> str:
         f"{t['expert_kind']} hidden {t['expert_hidden_size']}, "
         f"{len(t['moe_layers'])} MoE layers, shared experts {t['shared_experts']}",
         f"quantized  experts: {quant(q['experts'])}; backbone: {quant(q['backbone'])}",
-        f"records    {r['count']} x {format_bytes(r['size'])} "
-        f"(stride {format_bytes(r['stride'])}, {r['size']} bytes)",
+        # The slot a unified ring gives a record: its stride, as plan and the run commands say.
+        f"records    {r['count']} x {format_bytes(r['stride'])} slots "
+        f"({r['size']} bytes of data each, then padding for direct reads)",
         f"sizes      experts {format_bytes(info['experts_bytes'])}, backbone "
         f"{format_bytes(info['backbone_bytes'])}, total {format_bytes(info['total_bytes'])}",
         "components " + ", ".join(f"{c['name']} {c['dtype']}{c['shape']}" for c in r["components"]),
