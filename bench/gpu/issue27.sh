@@ -8,6 +8,8 @@
 #   io        `smoe bench io` streamer / raw at 1/4/8/16 workers, quiet and busy, staged and
 #             unified, with its A/A control
 #   profile   where a streamed step's time goes (bench/step_profile.py) at 25% and 100%
+#   overhead  resident decode taken apart: runner loop, Engine.generate, mlx-lm, and the
+#             graph's build time and size (bench/resident_overhead.py)
 #   first     the first reply of `smoe chat` on the demo with an empty MLX kernel cache
 #             (TMPDIR), against the next, with and without the warm-up (.ci/chat_once.py)
 # JSON goes to $OUT, the log to $OUT/issue27.log.
@@ -16,7 +18,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DATA=${DATA:-/tmp/data}; mkdir -p "$DATA"
 V=$DATA/q235-16
-STEPS=${STEPS:-build resident decode io profile first}
+STEPS=${STEPS:-build overhead resident decode io profile first}
 export SMOE_CACHE=$DATA/cache
 smoe() { python3 -m smoe.cli "$@"; }
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
@@ -46,6 +48,8 @@ for step in $STEPS; do
       python3 bench/step_profile.py "$V" --device gpu --memory "$m" --steps 24 \
         > "$OUT/step_profile_${m%\%}.json"
     done ;;
+  overhead)
+    python3 bench/resident_overhead.py "$V" --device gpu > "$OUT/resident_overhead.json" ;;
   first)
     for warm in "" "--no-warm-up"; do
       for run in cold again; do

@@ -1,0 +1,136 @@
+"""What a resident decode token costs the engine beyond mlx-lm's, taken apart: the same
+prompt decoded by the runner's own loop (no event loop), by ``Engine.generate`` (the
+compute thread and the loop), and by mlx-lm's ``generate_step`` on the same weights, in
+alternating rounds in one process; then the host time to build one token's lazy graph and
+the number of primitives in it, for the engine's model and mlx-lm's.
+
+    python bench/resident_overhead.py VAULT [--device gpu] [--tokens 96] [--rounds 4]
+
+runner against mlx-lm is the model code's cost; engine against runner is the thread
+hand-off and the event loop's. Prints JSON (ms per token per round, medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+import smoe.util.loop
+from smoe.bench.resident import fill_ring
+from smoe.compute.model import resident_model
+from smoe.compute.runner import SamplingParams
+from smoe.engine import Engine
+from smoe.vault.format import Vault
+
+PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
+
+
+def runner_ms(runner: Any, tokens: int) -> float:
+    """ms per token of the runner's own decode loop, after its first token."""
+    seq = runner.start(PROMPT, SamplingParams())
+    runner.step(seq)
+    start = time.perf_counter()
+    for i in range(tokens):
+        runner.step(seq, more=i < tokens - 1)
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+def mlx_lm_ms(model: Any, tokens: int) -> float:
+    """ms per token of mlx-lm's generate_step, after its first two tokens."""
+    start = 0.0
+    for i, _ in enumerate(generate_step(mx.array(PROMPT), model, max_tokens=tokens + 2)):
+        if i == 1:
+            start = time.perf_counter()
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+async def engine_ms(engine: Engine, tokens: int) -> float:
+    """ms per token of Engine.generate, after its first two tokens."""
+    start, seen = 0.0, 0
+    async for ev in engine.generate(PROMPT, max_tokens=tokens + 2, stop_at_eos=False):
+        if ev.token is not None:
+            seen += 1
+            if seen == 2:
+                start = time.perf_counter()
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+def graph_cost(model: Any, cache: Any, repeats: int = 30) -> dict[str, float]:
+    """Median host ms to build one decode token's graph (not evaluate it), and its size."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        y = model(mx.array([[17]]), cache=cache)  # [1, 1, V]
+        times.append(time.perf_counter() - start)
+        mx.eval(y)
+        trim_prompt_cache(cache, 1)
+    y = model(mx.array([[17]]), cache=cache)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, y)
+    mx.eval(y)
+    trim_prompt_cache(cache, 1)
+    primitives = len(re.findall(r'label ="[A-Za-z]', dot.getvalue()))
+    return {"build_ms": round(statistics.median(times) * 1e3, 3), "primitives": primitives}
+
+
+def engine_graph_cost(runner: Any) -> dict[str, float]:
+    seq = runner.start(PROMPT, SamplingParams())
+    return graph_cost(runner.model, seq.cache)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("vault")
+    p.add_argument("--device", default=None)
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    every = Vault.open(args.vault).manifest.num_records
+    rounds = []
+    async with Engine.open(args.vault, slots=every, device=args.device) as engine:
+        await fill_ring(engine)
+        reference = resident_model(Vault.open(args.vault), engine.dtype)
+        for _ in range(args.rounds):  # alternating, so drift hits all three alike
+            rounds.append(
+                {
+                    "runner_ms": await engine.compute.run(runner_ms, engine.runner, args.tokens),
+                    "engine_ms": await engine_ms(engine, args.tokens),
+                    "mlx_lm_ms": await engine.compute.run(mlx_lm_ms, reference, args.tokens),
+                }
+            )
+        ours = await engine.compute.run(engine_graph_cost, engine.runner)
+
+        def reference_cost() -> dict[str, float]:
+            cache = make_prompt_cache(reference)
+            mx.eval(reference(mx.array([PROMPT]), cache=cache))
+            return graph_cost(reference, cache)
+
+        theirs = await engine.compute.run(reference_cost)
+    medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+    print(
+        json.dumps(
+            {
+                "benchmark": "resident_overhead",
+                "vault": args.vault,
+                "device": args.device,
+                "tokens": args.tokens,
+                "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
+                "median_ms_per_token": medians,
+                "graph": {"engine": ours, "mlx_lm": theirs},
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    smoe.util.loop.run(main())
