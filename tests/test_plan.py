@@ -20,9 +20,10 @@ from smoe.bench.forecast import (
 )
 from smoe.bench.probe import probe_disk
 from smoe.engine import Engine
-from smoe.engine.ring_plan import budget_parts
+from smoe.engine.ring_plan import budget_parts, current_device, ring_kind, slot_bytes
 from smoe.util.loop import run
 from smoe.vault.convert import ConvertOptions, convert
+from smoe.vault.source import open_model
 from tests.conftest import make_hf_checkpoint, tiny_vault
 from tests.test_budget import default_context
 
@@ -137,12 +138,58 @@ def test_a_shorter_context_and_quantized_kv_lower_the_smallest_budget(
     assert "multiple of 32; this model's are 16 wide: leave --kv-bits out" in err
 
 
+async def _engine_ring(path, memory):
+    """What the engine opens on ``path`` with ``memory`` (None: its default): the ring's
+    slots, its context and its fit."""
+    async with Engine.open(path, memory=memory, max_batch=1, device="cpu") as engine:
+        fit = engine.fit.to_json() if engine.fit is not None else None
+        return engine.ring.num_slots, engine.max_context, fit
+
+
+@pytest.mark.parametrize("what", ["vault", "download"])
+@pytest.mark.parametrize("memory", [None, "fixed+7"])
+def test_plan_and_the_run_make_one_ring_on_a_vault_and_a_download(
+    what, memory, vault, hf_dir, run_cli
+):
+    """`smoe plan X` and `smoe generate X` agree on the ring, the context and the budget,
+    with and without --memory, on a vault and on a download run as it is (one planning
+    call: ring_plan.plan_ring)."""
+    path = vault.path if what == "vault" else hf_dir("qwen3_moe")
+    opened = open_model(path)
+    records = opened.manifest.num_records
+    if memory is not None:  # 7 slots beside what the engine budgets at 4096 tokens
+        layout, cpu = opened.manifest.record, current_device(mx.cpu)
+        kind = ring_kind("auto", layout, mx.float32, cpu)
+        needs = budget_parts(opened, mx.float32, kind=kind, max_batch=1, max_context=4096)
+        memory = str(needs.fixed + 7 * slot_bytes(kind, layout, mx.float32))
+    args = ("--memory", memory) if memory is not None else ()
+    plan = _plan(run_cli, path, *args, "--device", "cpu", "--no-compute")
+    slots, context, fit = run(_engine_ring(path, memory))
+    assert plan["kind"] == ("vault" if what == "vault" else "source")
+    assert plan["fits"] is True and plan["fit"]["ring_slots"] == slots
+    assert plan["fit"]["context"] == context
+    if memory is not None:
+        assert slots == 7 < records and plan["fit"] == fit  # backbone, KV, working, ring
+
+
+def test_plan_on_a_download_sizes_what_the_run_reads(hf_dir, run_cli):
+    """Without --bits a download is planned as it runs (its own float records), with
+    --bits as `smoe convert` would make it: the records differ, each side says which."""
+    src = hf_dir("qwen3_moe")
+    as_is = _plan(run_cli, src, "--memory", "2GB", "--device", "cpu", "--no-compute")
+    four = _plan(run_cli, src, "--memory", "2GB", "--device", "cpu", "--bits", "4")
+    assert as_is["kind"] == "source" and four["kind"] == "converted"
+    assert as_is["experts"]["record_bytes"] > four["experts"]["record_bytes"]
+    _, table, _ = run_cli("plan", src, "--memory", "2GB", "--device", "cpu", "--no-compute")
+    assert "(source, run as it is)" in table
+
+
 def test_plan_on_a_source_folder_reads_headers_only(hf_dir, tmp_path, run_cli):
-    """A HF checkpoint: the record and backbone `convert` would make (checked against the
-    vault it then makes), no speed without a vault to measure compute on."""
+    """A HF checkpoint with --bits: the record and backbone `convert` would make (checked
+    against the vault it then makes), no speed without a vault to measure compute on."""
     src = hf_dir("qwen3_moe")
     plan = _plan(run_cli, src, "--memory", "2GB", "--device", "cpu", "--bits", "4")
-    assert plan["kind"] == "source" and plan["compute"] is None
+    assert plan["kind"] == "converted" and plan["compute"] is None
     assert "convert the model first" in plan["why_no_speed"]
     made = convert(src, tmp_path / "v", ConvertOptions(bits=4))
     m = made.manifest

@@ -34,14 +34,15 @@ from smoe.engine.ring_plan import (
     Device,
     available_memory,
     batch_size,
+    budget_parts,
     check_kv_bits,
     choose_device,
     current_device,
+    plan_ring,
     ring_kind,
     slot_bytes,
 )
-from smoe.errors import SmoeError
-from smoe.models.checkpoint import safetensors_header
+from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
 from smoe.vault.names import MANIFEST
 
@@ -70,39 +71,30 @@ class Subject:
     """A vault or a source folder, as far as the plan needs it."""
 
     path: Path
-    kind: str  # "vault" or "source"
+    kind: str  # "vault", "source" (run as it is) or "converted" (as `smoe convert` makes it)
     config: dict[str, Any]
     layout: RecordLayout
     shape: Shape
     backbone: Any  # (dsize) -> bytes in memory
     probe_file: Path  # a large file of the model, to probe the disk it sits on
     popularity: np.ndarray | None
-    vault: Any = None
+    vault: Any = None  # what the engine opens (a Vault, or a Source for a download)
 
 
 def open_subject(path: Path, bits: int | None) -> Subject:
-    """A vault (a folder with manifest.json) or a HF/MLX checkpoint folder. Raises
-    SmoeError/VaultError naming the fix for anything else."""
-    if (path / MANIFEST).exists():
-        from smoe.sched.popularity import Popularity
-        from smoe.vault.format import Vault
+    """A vault (a folder with manifest.json), a HF/MLX checkpoint folder run as it is (as
+    `smoe generate SRC` runs it), or, with ``bits``, that folder as `smoe convert --bits`
+    would make it. Raises SmoeError/VaultError naming the fix for anything else."""
+    from smoe.sched.popularity import Popularity
+    from smoe.vault.format import Vault
+    from smoe.vault.source import Source
 
+    if (path / MANIFEST).exists():
         if bits is not None:
             raise SmoeError("--bits is for a source folder; a vault's records are already made")
-        vault = Vault.open(path)
-        m = vault.manifest
-        header = safetensors_header(vault.backbone_path)
-        return Subject(
-            path,
-            "vault",
-            vault.config(),
-            m.record,
-            Shape(len(m.layers), m.num_experts, m.shape.experts_per_token, m.record.stride),
-            lambda dsize: backbone_bytes(header, dsize),
-            vault.experts_path,
-            Popularity(vault).counts,
-            vault,
-        )
+        return _runnable(Vault.open(path), "vault", Popularity)
+    if bits is None:
+        return _runnable(Source.open(path), "source", Popularity)
     from smoe.vault.convert import ConvertOptions, source_shape
 
     src = source_shape(path, ConvertOptions(bits=bits))
@@ -120,7 +112,7 @@ def open_subject(path: Path, bits: int | None) -> Subject:
     top = ck.topology
     return Subject(
         path,
-        "source",
+        "converted",
         ck.config,
         src.layout,
         Shape(len(ck.experts), top.num_experts, top.experts_per_token, src.layout.stride),
@@ -130,10 +122,44 @@ def open_subject(path: Path, bits: int | None) -> Subject:
     )
 
 
+def _runnable(vault: Any, kind: str, popularity: Any) -> Subject:
+    """A Subject for what the engine can open as it is: a vault or a download (Source)."""
+    m = vault.manifest
+    header = vault.backbone_header()
+    files = getattr(vault, "index", None)
+    probe_file = max(files.files, key=lambda f: f.stat().st_size) if files else vault.experts_path
+    return Subject(
+        vault.path,
+        kind,
+        vault.config(),
+        m.record,
+        Shape(len(m.layers), m.num_experts, m.shape.experts_per_token, m.record.stride),
+        lambda dsize: backbone_bytes(header, dsize),
+        probe_file,
+        popularity(vault).counts,
+        vault,
+    )
+
+
 def _needs(
-    subject: Subject, o: PlanOptions, dsize: int, kind: str, context: int, device: Device
+    subject: Subject, o: PlanOptions, dtype: Any, kind: str, context: int, device: Device
 ) -> Parts:
-    """What the engine would budget beside the ring (smoe.engine.budget.parts)."""
+    """What the engine would budget beside the ring: the engine's own arithmetic
+    (ring_plan.budget_parts) where there is something it can open, else the same parts
+    for the vault `smoe convert` would make."""
+    if subject.vault is not None:
+        return budget_parts(
+            subject.vault,
+            dtype,
+            kind=kind,
+            discrete=device.discrete,
+            max_batch=o.max_batch,
+            max_context=context,
+            kv_bits=o.kv_bits,
+            prefill_chunk=o.prefill_chunk,
+            workers=o.workers,
+        )
+    dsize = int(dtype.size)
     landing = 2 * o.workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
     return parts(
         subject.config,
@@ -145,6 +171,25 @@ def _needs(
         prefill_chunk=o.prefill_chunk,
         landing=landing,
         device_memory=device.discrete,
+    )
+
+
+def _engine_ring(subject: Subject, o: PlanOptions, dtype: Any, device: Device, context: int) -> Any:
+    """The ring the engine would build (ring_plan.plan_ring, the engine's own call), or
+    None where there is nothing it can open (a `--bits` preview)."""
+    if subject.vault is None:
+        return None
+    return plan_ring(
+        subject.vault,
+        requested="auto",
+        dtype=dtype,
+        device=device,
+        memory=o.memory,
+        max_batch=o.max_batch,
+        max_context=context,
+        kv_bits=o.kv_bits,
+        prefill_chunk=o.prefill_chunk,
+        workers=o.workers,
     )
 
 
@@ -197,7 +242,6 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     device_name = "gpu" if mlx_device == mx.gpu else "cpu"
     dtype_name = o.dtype or ("bfloat16" if device_name == "gpu" else "float32")
     dtype = getattr(mx, dtype_name)
-    dsize = int(dtype.size)
     kind = ring_kind("auto", subject.layout, dtype, device)
     per_slot = slot_bytes(kind, subject.layout, dtype)
     attn = Attention.of(subject.config)
@@ -205,14 +249,29 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     every = s.records * per_slot
 
     def fits(c: int) -> bool:  # as the engine picks the context (budget.pick_context)
-        fixed = _needs(subject, o, dsize, kind, c, device).fixed
+        if subject.vault is not None:
+            try:
+                _engine_ring(subject, o, dtype, device, c)
+            except BudgetTooSmall:
+                return False
+            return True
+        fixed = _needs(subject, o, dtype, kind, c, device).fixed
         return o.memory is None or _parse(o.memory) >= fixed + s.top_k * per_slot
 
     context, default_context = pick_context(o.context, attn.max_context, fits)
-    needs = _needs(subject, o, dsize, kind, context, device)
+    needs = _needs(subject, o, dtype, kind, context, device)
     fixed = needs.fixed
     smallest = fixed + s.top_k * per_slot
-    memory = _default_memory(fixed, every, device) if o.memory is None else _parse(o.memory)
+    try:
+        ring = _engine_ring(subject, o, dtype, device, context)
+    except BudgetTooSmall:
+        ring = None  # reported below, as fit() words it
+    if o.memory is not None:
+        memory = _parse(o.memory)
+    elif ring is not None:  # the engine's default ring, and the process around it
+        memory = fixed + ring.slots * per_slot
+    else:
+        memory = _default_memory(fixed, every, device)
     out: dict[str, Any] = {
         "model": str(path),
         "kind": subject.kind,
@@ -224,7 +283,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         "smallest_memory": suggest_at_least(smallest),
         "memory_for_every_expert": suggest_at_least(fixed + every),
         "context_limit": context_limit(
-            lambda c: _needs(subject, o, dsize, kind, c, device),
+            lambda c: _needs(subject, o, dtype, kind, c, device),
             s.top_k,
             per_slot,
             memory,
@@ -242,13 +301,13 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     q, source = routing_probabilities(s, subject.popularity)
     out["routing"] = source
     compute = None
-    if o.compute and subject.vault is not None:
+    if o.compute and subject.kind == "vault":
         compute = await _compute(subject.vault, o, device_name, dtype_name, budget.slots, disk)
     out["compute"] = compute
     if compute is None:
         out["why_no_speed"] = (
             "convert the model first: compute is measured on a vault"
-            if subject.vault is None
+            if subject.kind != "vault"
             else "the compute probe was skipped"
         )
     else:

@@ -35,6 +35,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan["fits"] else 1  # a script can tell a budget that does not fit
 
 
+KINDS = {
+    "vault": "vault",
+    "source": "source, run as it is",
+    "converted": "source, as `smoe convert --bits` would make it",
+}
+
+
 def _band(pair: list[float], unit: str) -> str:
     return f"{pair[0]:g} - {pair[1]:g} {unit}"
 
@@ -45,7 +52,7 @@ def render(plan: dict[str, Any]) -> str:
 
     e = plan["experts"]
     rows = [
-        ("model", f"{plan['model']} ({plan['kind']})"),
+        ("model", f"{plan['model']} ({KINDS[plan['kind']]})"),
         ("device", f"{plan['device']}, {plan['dtype']}, {plan['ring']} ring"),
         (
             "experts",
@@ -143,7 +150,8 @@ def add_plan(sub: Any) -> None:
         "--bits",
         type=int,
         default=None,
-        help="a source folder: the --bits `smoe convert` would use (default: as convert)",
+        help="a source folder: plan the vault `smoe convert --bits N` would make (default: "
+        "the folder run as it is, as `smoe generate` runs it)",
     )
     p.add_argument("--probe-seconds", type=float, default=3.0, help="disk probe length (default 3)")
     p.add_argument(
