@@ -113,6 +113,9 @@ def test_piped_chat_is_plain_lines(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "not a terminal" not in done.stderr  # no prompt_toolkit session was made
+    # the start line's dtype reads plainly: the demo's weights are float32 already
+    assert "computing in float32 (the weights' dtype, as mlx-lm runs them)" in done.stderr
     out = done.stdout
     assert "\x1b" not in out and "\r" not in out and "> " not in out
     reply, stats = out.split("\n", 1)

@@ -267,10 +267,11 @@ def test_cpu_default_dtype_is_reported_and_differs_from_a_bf16_run(sources, tmp_
     stats = json.loads(out)["stats"]
     assert code == 0 and stats["compute_dtype"] == "float32"
     assert stats["compute_dtype_note"] == (
-        "float32 (CPU default, faster there; --dtype bfloat16 matches mlx-lm's bfloat16 run)"
+        "float32 (the CPU's fast dtype; the weights are bfloat16: --dtype bfloat16 computes "
+        "as mlx-lm runs them)"
     )
     code, _, err = run_cli(
         "generate", vault.path, "--prompt-ids", "3,4,5", "--max-tokens", "2", "--dtype", "bfloat16"
     )
     assert code == 0
-    assert "computed in bfloat16 (as asked; the weights' dtype, as mlx-lm runs them)" in err
+    assert "computed in bfloat16 (the weights' dtype, as mlx-lm runs them)" in err

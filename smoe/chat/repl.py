@@ -92,14 +92,8 @@ class ChatApp:
         self.conv = conversation
         self.out = out
         self.sampling = sampling or {}
-        self.session: PromptSession[str] = PromptSession(
-            history=history or InMemoryHistory(),
-            multiline=True,
-            key_bindings=_bindings(),
-            bottom_toolbar=self.status,
-            prompt_continuation="... ",
-            **(session_kwargs or {}),
-        )
+        self._history = history or InMemoryHistory()
+        self._session_kwargs = session_kwargs or {}
         self.on_token: Callable[[int], None] | None = None  # tests hook in here
 
     def say(self, text: str = "") -> None:
@@ -117,12 +111,25 @@ class ChatApp:
             f"hit {100 * s.hit_rate:.0f}%  ·  read {format_bytes(s.bytes_read)}  ·  {ring}"
         )
 
+    def _prompt_session(self) -> PromptSession[str]:
+        """The terminal's prompt. Made only by ``run``: prompt_toolkit warns on a standard
+        input that is not a terminal, which the plain mode (``run_lines``) reads."""
+        return PromptSession(
+            history=self._history,
+            multiline=True,
+            key_bindings=_bindings(),
+            bottom_toolbar=self.status,
+            prompt_continuation="... ",
+            **self._session_kwargs,
+        )
+
     async def run(self) -> None:
         self.say("S-MoE chat. /help for commands, Ctrl-D to quit.")
+        session = self._prompt_session()
         while True:
             self.engine.prewarm()  # idle: bring in the hot experts while the person types
             try:
-                text = await self.session.prompt_async("> ")
+                text = await session.prompt_async("> ")
             except KeyboardInterrupt:
                 continue
             except EOFError:

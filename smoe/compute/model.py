@@ -106,21 +106,22 @@ def vault_float_dtype(vault: Vault) -> str | None:
 
 def compute_dtype_note(vault: Vault, dtype: Any, requested: bool) -> str:
     """The compute dtype and why, for exactness claims: mlx-lm runs a model in its weights'
-    dtype, and the engine equals it only computing in that same dtype.
-    e.g. 'float32 (CPU default, faster there; --dtype bfloat16 matches mlx-lm's bfloat16 run)'."""
+    dtype, and the engine equals it only computing in that same dtype. e.g. 'float32 (the
+    CPU's fast dtype; the weights are bfloat16: --dtype bfloat16 computes as mlx-lm runs
+    them)', or 'float32 (the weights' dtype, as mlx-lm runs them)'."""
     name = str(dtype).split(".")[-1]
     if requested:
         origin = "as asked"
     else:  # the engine's defaults: float32 kernels are the fast ones on a CPU
-        origin = "CPU default, faster there" if name == "float32" else "GPU default"
+        origin = "the CPU's fast dtype" if name == "float32" else "the GPU default"
     own = vault_float_dtype(vault)
     if own is None:  # float tensors of several dtypes: no single "usual" mlx-lm run
         return f"{name} ({origin})"
     if own == name:
-        return f"{name} ({origin}; the weights' dtype, as mlx-lm runs them)"
+        return f"{name} (the weights' dtype, as mlx-lm runs them)"
     if _has_float_experts(vault) and not _gather_mm_works(getattr(mx, own)):
-        return f"{name} ({origin}; MLX cannot run these {own} float experts in {own} here)"
-    return f"{name} ({origin}; --dtype {own} matches mlx-lm's {own} run)"
+        return f"{name} (the weights are {own}, but MLX multiplies float experts in {name} here)"
+    return f"{name} ({origin}; the weights are {own}: --dtype {own} computes as mlx-lm runs them)"
 
 
 def _has_float_experts(vault: Vault) -> bool:
