@@ -617,7 +617,7 @@ async def test_close_waits_for_running_reads_and_drops_queued_ones(q4):
         assert await running == reader.stride
         await closing
     with pytest.raises(OSError):
-        os.fstat(reader.fd)  # closed
+        os.fstat(reader.file.fd)  # closed
 
 
 def test_a_ring_beyond_2_gib_allocates_and_views_its_last_slot():
@@ -729,7 +729,7 @@ async def test_a_record_read_in_parts_lands_whole_and_errors_wait_for_every_part
         monkeypatch.setattr(os, "preadv", failing)
         with pytest.raises(VaultReadError, match="injected"):
             await reader.read(2, 0)
-        assert len(finished) == len(reader._parts) - 1 >= 2  # the others were waited for
+        assert len(finished) == len(reader.file.parts) - 1 >= 2  # the others were waited for
 
 
 # ---------------------------------------------------------------------------- trust
@@ -849,7 +849,7 @@ async def test_a_worker_reads_on_while_its_last_record_is_verified(q4, monkeypat
     """Hashing is pipelined: with one worker, the second record is read while the first
     one's hash is held up; neither read completes before its own hash is done."""
     reader = DirectReader(q4, Ring(q4.manifest.record, 2), workers=1)
-    real_hash = reader._hash
+    real_hash = reader.checks.hash
     gate, hashing, second_read = threading.Event(), threading.Event(), threading.Event()
 
     def held(data):
@@ -864,7 +864,7 @@ async def test_a_worker_reads_on_while_its_last_record_is_verified(q4, monkeypat
             second_read.set()
         return n
 
-    reader._hash = held
+    reader.checks.hash = held
     monkeypatch.setattr(os, "preadv", spy)
     with reader:
         try:

@@ -139,6 +139,38 @@ def test_the_index_lays_out_records_as_convert_writes_them(kind, sources):
         assert len(source.index.files) > 1  # several shards, named by the index.json
 
 
+@pytest.mark.asyncio
+async def test_a_shard_read_cancelled_while_running_returns_after_its_thread(sources):
+    """ShardReader is the one RecordReader: a read cancelled while its thread fills the
+    slot returns only once the thread is done (its own inline copy of this protocol is
+    gone), and a queued one is dropped at once."""
+    from smoe.io.reader import RecordReader
+    from tests.test_io import Blocking, loop_turns
+
+    folder, _, _ = sources("qwen3_moe")
+    source = open_model(folder)
+    reader = ShardReader(source, _HostRing(source.manifest.record.stride, 2), workers=1)
+    assert isinstance(reader, RecordReader)
+    with reader, Blocking(reader) as fake:
+        fake.arm(3)
+        running = asyncio.create_task(reader.read(3, 0))
+        running.add_done_callback(lambda t: fake.log.append("read() finished"))
+        await fake.wait_started(3)
+        queued = asyncio.create_task(reader.read(4, 1))  # the one worker is busy
+        await loop_turns()
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued  # never started: dropped at once
+        running.cancel()
+        await loop_turns()
+        assert not running.done()  # the thread may still be writing into the slot
+        fake.release[3].set()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert fake.log == ["thread 3 done", "read() finished"]
+        assert reader.shards.records == 1  # record 4 was never read
+
+
 class _HostRing:
     """The ring's landing interface over host memory (what ShardReader writes into)."""
 
@@ -471,7 +503,7 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
     async with Engine.open(folder, memory=budget, workers=3, max_batch=1) as engine:
         kind = engine.ring.kind
         assert engine.fit is not None and engine.fit.working == working(source, kind)
-        spare = engine.reader._spare  # what the reader allocated for its threads
+        spare = engine.reader.shards.spare  # what the reader allocated for its threads
         allocated = sum(b.base.nbytes if b.base is not None else b.nbytes for b in spare)
     assert working(source, kind) - working(vault, kind) == bounce_bytes(source, 3) == allocated
 

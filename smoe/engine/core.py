@@ -48,6 +48,7 @@ from smoe.engine.ring_plan import (
 )
 from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io.direct import DirectReader
+from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
 from smoe.io.shard_reader import ShardReader
 from smoe.io.staged import StagedRing
@@ -207,7 +208,7 @@ class Engine(GroupAPI):
     def _start_io(self) -> None:
         """The I/O workers, the popularity counts and the scheduler over the ring."""
         m, o = self.vault.manifest, self.options
-        self.reader: DirectReader | ShardReader
+        self.reader: RecordReader
         if isinstance(self.vault, Source):
             self.reader = ShardReader(
                 self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts

@@ -1,4 +1,4 @@
-"""The queue of reads handed to DirectReader's worker threads (``smoe.io.direct``).
+"""The queue of reads handed to a RecordReader's worker threads (``smoe.io.reader``).
 
 Two FIFO queues, demand taken before speculation; thread-safe. A job taken by a worker is
 marked started under the queue's lock, so a reader that wants its queued read back
@@ -46,7 +46,7 @@ class ReadQueue:
         is already waiting on). RuntimeError once closed."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("DirectReader is closed")
+                raise RuntimeError("the reader is closed")
             queue = self._queues[min(max(priority, 0), 1)]
             if first:
                 queue.appendleft(job)

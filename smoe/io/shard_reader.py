@@ -1,4 +1,5 @@
-"""The read backend for a checkpoint folder: each expert read from its original shards.
+"""The read backend for a checkpoint folder: ``ShardReader``, a RecordReader
+(``smoe.io.reader``) whose records are read from their original shards.
 
 A record of a ``Source`` (smoe.vault.source) is a few file extents (smoe.vault.source_index:
 one for a Hugging Face expert whose tensors sit side by side, one per component for an
@@ -8,20 +9,17 @@ reading thread, and its pieces are copied to their places in the ring's landing.
 extents are read in parts at once (the worker's and helper threads'), as DirectReader
 reads large records. Where O_DIRECT is refused, reads are buffered (``open_direct``).
 
-Same contract as DirectReader (``ReadBackend``): ``await read(record, slot, priority)``,
-``workers`` threads taking demand before speculation from one queue, ``close``; EINTR and
-EAGAIN retried, short reads continued; every failure a VaultReadError naming the shard,
-the layer, the expert and the fix. There are no checksums to verify (docs/sources.md).
+The worker loop, the queue, ``read()`` and its cancellation, and ``close`` are
+RecordReader's, as for a vault. Here: EINTR and EAGAIN retried, short reads continued;
+every failure a VaultReadError naming the shard, the layer, the expert and the fix. There
+are no checksums to verify (docs/sources.md).
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import threading
-from types import TracebackType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,13 +33,10 @@ from smoe.io.direct_file import (
     open_vault_file,
 )
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.read_queue import ReadJob, ReadQueue
+from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
 from smoe.vault.source import Source
 from smoe.vault.source_index import Extent
-
-if TYPE_CHECKING:
-    from smoe.sched.types import ReadBackend
 
 BLOCK = 4096  # O_DIRECT's offsets, lengths and buffer addresses are multiples of this
 FIX = "check the disk (dmesg) and download the model again, or convert it: smoe convert SRC VAULT"
@@ -76,35 +71,24 @@ def bounce_bytes(source: Source, workers: int, parts: int | None = None) -> int:
     return workers * max(1, parts) * one
 
 
-class ShardReader:
-    """ReadBackend for a Source and a ring: ``await read(record, slot)`` fills the slot
-    from the shards. ``reads`` counts the extent reads issued (parts of one count once).
-    Close it (or use it as a context manager) to stop the threads and close the files."""
+class ShardExtents:
+    """RecordLocations of a Source: each record is a few extents of its shards, read as
+    their aligned supersets into this thread's bounce buffer and copied into place.
+    ``reads`` counts the extent reads issued (parts of one count once), ``records`` the
+    records read; ``spare`` holds the bounce buffers made at open, one per reading thread."""
 
     def __init__(
-        self,
-        source: Source,
-        ring: ExpertRing,
-        workers: int = 4,
-        direct: bool = True,
-        parts: int | None = None,
+        self, source: Source, workers: int, direct: bool = True, parts: int | None = None
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be at least 1, got {workers}")
-        if ring.stride != source.manifest.record.stride:
-            raise ValueError(
-                f"the ring's slots are {ring.stride} bytes, the source's records "
-                f"{source.manifest.record.stride}: make the ring from this source's layout"
-            )
         self.source = source
         self.index = source.index
-        self.ring = ring
-        self.stride = ring.stride
-        self.workers = workers
+        self.num_records = len(self.index.extents)
+        self.stride = source.manifest.record.stride
         self.reads = 0  # extent reads issued
         self.records = 0  # records read
         self._count_lock = threading.Lock()
-        self._parts = parts if parts is not None else MAX_PARTS
+        self.parts = parts if parts is not None else MAX_PARTS
+        self.helpers_per_worker = max(0, self.parts - 1)
         self._buffers = threading.local()
         self.fds: list[int] = []
         self.direct = True
@@ -114,102 +98,34 @@ class ShardReader:
                 self.fds.append(fd)
                 self.direct = self.direct and direct_ok
         except BaseException:
-            for fd in self.fds:
-                os.close(fd)
+            self.close()
             raise
         # One bounce buffer per reading thread, made now: not during the first reads.
         largest = max(
-            b - a for ex in self.index.extents for e in ex for a, b in _chunks(e, self._parts)
+            b - a for ex in self.index.extents for e in ex for a, b in _chunks(e, self.parts)
         )
-        self._spare = [
-            _bounce_buffer(largest + 2 * BLOCK) for _ in range(workers * max(1, self._parts))
+        self.spare = [
+            _bounce_buffer(largest + 2 * BLOCK) for _ in range(workers * max(1, self.parts))
         ]
-        self._helpers = concurrent.futures.ThreadPoolExecutor(
-            workers * max(1, self._parts - 1), thread_name_prefix="smoe-io-part"
-        )
-        self._queue = ReadQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"smoe-io-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for t in self._threads:
-            t.start()
-        self._closed = False
-        self._close_lock = threading.Lock()
 
-    async def read(self, record: int, slot: int, priority: int = 0) -> int:
-        """Read record ``record`` into ring slot ``slot``; return the stride once the slot
-        holds it. ``priority`` 0 (demand) is taken before 1 (speculative).
-
-        Raises VaultReadError (naming the shard, layer, expert and fix; ``errno`` kept) on
-        an I/O error retries did not cure or a shard cut short; IndexError for a record or
-        slot out of range; RuntimeError after close(), or when close() drops it queued.
-        Cancellation: a read not started is dropped; one in progress is waited for, then
-        CancelledError is raised, so no thread writes into the slot after this returns.
-        """
-        if self._closed:
-            raise RuntimeError("ShardReader is closed")
-        if not 0 <= record < len(self.index.extents):
-            raise IndexError(f"record {record} out of range 0..{len(self.index.extents) - 1}")
-        if not 0 <= slot < self.ring.num_slots:
-            raise IndexError(f"slot {slot} out of range 0..{self.ring.num_slots - 1}")
-        job = ReadJob(record, slot, concurrent.futures.Future())
-        self._queue.put(job, priority)
-        done = asyncio.wrap_future(job.future)
-        try:
-            return await asyncio.shield(done)  # cancelling us must not lose the thread
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if job.future.cancelled() and not (task is not None and task.cancelling()):
-                raise RuntimeError(f"ShardReader closed before record {record} was read") from None
-            if self._queue.remove(job):
-                job.future.cancel()
-            else:  # running: wait until its thread is done with the slot
-                while not done.done():
-                    try:
-                        await asyncio.wait([done])
-                    except asyncio.CancelledError:
-                        continue
-                if not done.cancelled():
-                    done.exception()  # retrieved: the cancellation wins
-            raise
-
-    def _work(self) -> None:
-        """A worker thread: take reads until closed."""
-        while (job := self._queue.take()) is not None:
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                land = self.ring.land(job.slot)  # RuntimeError once the ring is closed
-            except BaseException as e:
-                job.future.set_exception(e)
-                continue
-            try:
-                self._fill(land.memory, job.record)
-                land.finish()
-            except BaseException as e:
-                land.discard()
-                job.future.set_exception(e)
-                continue
-            land.hand_over()
-            job.future.set_result(self.stride)
-
-    def _fill(self, view: memoryview, record: int) -> None:
+    def fill(
+        self, view: memoryview, record: int, helpers: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
         """Blocking: every extent of ``record`` into ``view`` (the slot's landing). The
-        first part is read here, the others on helper threads at once; returns once all
+        first part is read here, the others on ``helpers`` at once; returns once all
         have finished (the first error raised)."""
         extents = self.index.extents[record]
         with self._count_lock:
             self.reads += len(extents)
             self.records += 1
         dest = np.frombuffer(view, dtype=np.uint8)
-        work = [(e, a, b) for e in extents for a, b in _chunks(e, self._parts)]
-        helpers = [self._helpers.submit(self._read_part, dest, record, *w) for w in work[1:]]
+        work = [(e, a, b) for e in extents for a, b in _chunks(e, self.parts)]
+        rest = [helpers.submit(self._read_part, dest, record, *w) for w in work[1:]]
         try:
             self._read_part(dest, record, *work[0])
         finally:
-            concurrent.futures.wait(helpers)  # no thread writes into the landing after
-        for h in helpers:
+            concurrent.futures.wait(rest)  # no thread writes into the landing after
+        for h in rest:
             h.result()
 
     def _bounce(self, n: int) -> np.ndarray:
@@ -218,7 +134,7 @@ class ShardReader:
         buf: np.ndarray | None = getattr(self._buffers, "buf", None)
         if buf is None:
             with self._count_lock:
-                buf = self._spare.pop() if self._spare else None
+                buf = self.spare.pop() if self.spare else None
         if buf is None or len(buf) < n:
             buf = _bounce_buffer(n)
         self._buffers.buf = buf
@@ -278,37 +194,43 @@ class ShardReader:
         )
 
     def close(self) -> None:
-        """Wait for reads in progress, drop queued ones, stop the threads, close the
-        files. Idempotent; blocking (it waits for at most ``workers`` reads)."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for job in self._queue.close():
-            job.future.cancel()
-        for t in self._threads:
-            t.join()
-        self._helpers.shutdown(wait=True)
         for fd in self.fds:
             os.close(fd)
+        self.fds = []
 
-    def __enter__(self) -> ShardReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
+    def describe(self) -> str:
         mode = "direct" if self.direct else "buffered"
-        return f"ShardReader({self.source.path}, {len(self.fds)} shards, {self.workers} workers, {mode})"
+        return f"{self.source.path}, {len(self.index.files)} shards, {mode}"
 
 
-if TYPE_CHECKING:  # mypy checks that ShardReader is a ReadBackend
+class ShardReader(RecordReader):
+    """ReadBackend for a Source and a ring: ``await read(record, slot)`` fills the slot
+    from the shards (``RecordReader.read``: its errors and cancellation). ``reads`` counts
+    the extent reads issued. Close it (or use it as a context manager) to stop the threads
+    and close the files."""
 
-    def _is_read_backend(reader: ShardReader) -> ReadBackend:
-        return reader
+    def __init__(
+        self,
+        source: Source,
+        ring: ExpertRing,
+        workers: int = 4,
+        direct: bool = True,
+        parts: int | None = None,
+    ) -> None:
+        if workers < 1:  # before the shards are opened
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if ring.stride != source.manifest.record.stride:
+            raise ValueError(
+                f"the ring's slots are {ring.stride} bytes, the source's records "
+                f"{source.manifest.record.stride}: make the ring from this source's layout"
+            )
+        self.shards = ShardExtents(source, workers, direct, parts)
+        try:
+            super().__init__(self.shards, ring, workers)
+        except BaseException:
+            self.shards.close()
+            raise
+
+    @property
+    def reads(self) -> int:
+        return self.shards.reads
