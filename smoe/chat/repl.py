@@ -23,7 +23,6 @@ from prompt_toolkit.key_binding import KeyBindings
 from smoe.engine import Engine
 from smoe.engine.conversation import Conversation
 from smoe.errors import SmoeError
-from smoe.io.ring import slot_size
 from smoe.util.sizes import format_bytes
 
 HELP = """commands:
@@ -102,8 +101,8 @@ class ChatApp:
 
     def status(self) -> str:
         s = self.conv.last_stats
-        sched = self.engine.scheduler
-        ring = f"ring {sched.fill()}/{sched.num_slots}"
+        now = self.engine.stats()
+        ring = f"ring {now.ring.filled}/{now.ring.slots}"
         if s is None:
             return f" {ring}  ·  /help for commands"
         return (
@@ -231,15 +230,13 @@ class ChatApp:
         return True
 
     def stats_text(self) -> str:
-        from smoe.compute.model import compute_dtype_note
-
-        s, e = self.conv.last_stats, self.engine
-        st = self.engine.scheduler.stats
+        s, now = self.conv.last_stats, self.engine.stats()
+        st = now.scheduler
         lines = [
-            f"ring: {self.engine.scheduler.fill()}/{self.engine.scheduler.num_slots} slots "
-            f"of {format_bytes(slot_size(self.engine.ring))}; hits {st.hits}, misses {st.misses}, "
+            f"ring: {now.ring.filled}/{now.ring.slots} slots "
+            f"of {format_bytes(now.ring.slot_bytes)}; hits {st.hits}, misses {st.misses}, "
             f"read {format_bytes(st.bytes_read())} in total",
-            f"compute: {compute_dtype_note(e.vault, e.dtype, e.options.dtype is not None)}",
+            f"compute: {now.compute_dtype_note}",
         ]
         if s is not None:
             lines.append(

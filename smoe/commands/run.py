@@ -31,7 +31,6 @@ async def _generate(args: argparse.Namespace) -> int:
     import anyio
 
     from smoe.engine import Engine
-    from smoe.io.ring import slot_size
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -49,13 +48,14 @@ async def _generate(args: argparse.Namespace) -> int:
         if args.routing_archive:
             engine.start_recording(args.archive_depth)
         tokens, pieces, stats, finish = await _stream_reply(engine, prompt, args, quiet)
-        stats["scheduler"] = engine.scheduler.stats.to_json()  # queue waits, read latencies
-        stats["ring_slots"] = engine.ring.num_slots
-        stats["compute_dtype_note"] = _dtype_note(engine)  # what "equal to mlx-lm" assumes
-        stats["ring_bytes"] = engine.ring.nbytes
-        stats["slot_bytes"] = slot_size(engine.ring)  # the figure inspect and plan print
-        if engine.runner.drafting is not None:
-            stats["draft"] = engine.runner.drafting.stats.to_json()  # passes, acceptance
+        now = engine.stats()
+        stats["scheduler"] = now.scheduler.to_json()  # queue waits, read latencies
+        stats["ring_slots"] = now.ring.slots
+        stats["compute_dtype_note"] = now.compute_dtype_note  # what "equal to mlx-lm" assumes
+        stats["ring_bytes"] = now.ring.nbytes
+        stats["slot_bytes"] = now.ring.slot_bytes  # the figure inspect and plan print
+        if now.draft is not None:
+            stats["draft"] = now.draft  # passes, acceptance
         if args.routing_archive:
             archive = engine.stop_recording()  # compressed and fsynced off the event loop
             saved = await anyio.to_thread.run_sync(archive.save, args.routing_archive)
@@ -157,9 +157,7 @@ def _print_generated(
 
 def _dtype_note(engine: Any) -> str:
     """The compute dtype and why (smoe.compute.model.compute_dtype_note)."""
-    from smoe.compute.model import compute_dtype_note
-
-    return compute_dtype_note(engine.vault, engine.dtype, engine.options.dtype is not None)
+    return str(engine.stats().compute_dtype_note)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -46,6 +47,7 @@ from smoe.engine.ring_plan import (
     kernel_rules,
     plan_ring,
 )
+from smoe.engine.stats import BatchStats, EngineStats, QueueStats, RingStats
 from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.reader import RecordReader
@@ -397,6 +399,38 @@ class Engine(GroupAPI):
         for layer, expert in wanted:
             by_layer.setdefault(layer, []).append(expert)
         return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
+
+    def stats(self) -> EngineStats:
+        """What the engine is doing now: the scheduler's counters, the ring, the read
+        queues, the batch, the compute dtype. Cheap (no device work); call it any time
+        after open, from the event loop."""
+        from smoe.io.ring import slot_size
+
+        sched, batcher = self.scheduler, self.batcher
+        drafting = self.runner.drafting
+        return EngineStats(
+            scheduler=sched.stats,
+            ring=RingStats(sched.num_slots, sched.fill(), slot_size(self.ring), self.ring.nbytes),
+            queues=QueueStats(sched.queue_depth(0), sched.queue_depth(1), sched.in_flight),
+            batch=BatchStats(
+                len(batcher.active),
+                batcher.queued,
+                batcher.max_batch,
+                batcher.steps,
+                batcher.step_rows / batcher.steps if batcher.steps else 0.0,
+            ),
+            compute_dtype=str(self.dtype).split(".")[-1],
+            compute_dtype_note=self._dtype_note,
+            direct_io=self.reader.direct,
+            draft=drafting.stats.to_json() if drafting is not None else None,
+        )
+
+    @functools.cached_property
+    def _dtype_note(self) -> str:
+        """compute_dtype_note once: it may run a tiny MLX call to test a kernel."""
+        from smoe.compute.model import compute_dtype_note
+
+        return compute_dtype_note(self.vault, self.dtype, self.options.dtype is not None)
 
     @property
     def on_gpu(self) -> bool:

@@ -1,6 +1,6 @@
 """`smoe serve`'s GET /metrics: the server's counters and gauges in Prometheus' text
 exposition format (version 0.0.4), for a scraper or a dashboard. Names start with
-``smoe_``; counters end in ``_total``. Read from the same public fields as /v1/smoe/stats."""
+``smoe_``; counters end in ``_total``. Read from ``Engine.stats()``, as /v1/smoe/stats is."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ def _metric(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float
 
 def render(server: Server) -> str:
     """The exposition text of ``server`` now."""
-    engine = server.engine
-    sched, batcher = engine.scheduler, engine.batcher
-    stats = sched.stats
+    now = server.engine.stats()
+    stats, ring, queues, batch = now.scheduler, now.ring, now.queues, now.batch
     counts = server.counts
     families = [
         _metric(
@@ -67,29 +66,29 @@ def render(server: Server) -> str:
             "smoe_ring_slots",
             "gauge",
             "Expert slots of the ring, and those filled.",
-            [('{state="all"}', sched.num_slots), ('{state="filled"}', sched.fill())],
+            [('{state="all"}', ring.slots), ('{state="filled"}', ring.filled)],
         ),
         _metric(
             "smoe_read_queue_depth",
             "gauge",
             "Expert reads waiting, by priority; in flight.",
             [
-                ('{queue="demand"}', sched.queue_depth(0)),
-                ('{queue="speculative"}', sched.queue_depth(1)),
-                ('{queue="in_flight"}', sched.in_flight),
+                ('{queue="demand"}', queues.demand),
+                ('{queue="speculative"}', queues.speculative),
+                ('{queue="in_flight"}', queues.in_flight),
             ],
         ),
         _metric(
             "smoe_batch_requests",
             "gauge",
             "Requests decoding together, and waiting for a place.",
-            [('{state="active"}', len(batcher.active)), ('{state="waiting"}', batcher.queued)],
+            [('{state="active"}', batch.active), ('{state="waiting"}', batch.waiting)],
         ),
         _metric(
             "smoe_batch_mean_rows",
             "gauge",
             "Mean rows per decode step since start.",
-            [("", batcher.step_rows / batcher.steps if batcher.steps else 0.0)],
+            [("", batch.mean_rows_per_step)],
         ),
     ]
     return "\n".join(families) + "\n"

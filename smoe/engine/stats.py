@@ -1,0 +1,60 @@
+"""``Engine.stats()``: one typed record of what the engine is doing, for every surface (the
+CLI's summary, the REPL's /stats and status bar, the server's /v1/smoe/stats and
+/metrics), so none of them reads the scheduler, the ring or the batcher by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from smoe.sched.stats import SchedulerStats
+
+
+@dataclass(frozen=True)
+class RingStats:
+    slots: int  # expert slots of the ring
+    filled: int  # slots holding an expert (or being read)
+    slot_bytes: int  # memory per slot: the figure inspect and plan print
+    nbytes: int  # the ring's memory in all
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    demand: int  # reads waiting, taken first
+    speculative: int  # lookahead reads waiting
+    in_flight: int  # reads the I/O threads are doing
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    active: int  # sequences being decoded
+    waiting: int  # requests not yet admitted
+    max_batch: int
+    steps: int  # batched decode passes run
+    mean_rows_per_step: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot: counters since the engine opened, gauges as they are now."""
+
+    scheduler: SchedulerStats  # hits, misses, bytes read, queue waits, read latencies
+    ring: RingStats
+    queues: QueueStats
+    batch: BatchStats
+    compute_dtype: str  # e.g. "float32"
+    compute_dtype_note: str  # the dtype and why (smoe.compute.model.compute_dtype_note)
+    direct_io: bool  # reads bypass the page cache
+    draft: dict[str, Any] | None  # drafted decoding's passes and acceptance, when on
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler.to_json(),
+            "ring": self.ring.__dict__.copy(),
+            "queues": self.queues.__dict__.copy(),
+            "batch": self.batch.__dict__.copy(),
+            "compute_dtype": self.compute_dtype,
+            "compute_dtype_note": self.compute_dtype_note,
+            "direct_io": self.direct_io,
+            "draft": self.draft,
+        }
