@@ -269,7 +269,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def _check_sampling(temperature: float, top_p: float, max_tokens: int | None) -> None:
     """SmoeError naming the flag for a sampling setting no reply could use."""
-    from smoe.compute.runner import SamplingParams
+    from smoe.sampling import SamplingParams
 
     if max_tokens is not None and max_tokens < 1:
         raise SmoeError("--max-tokens must be at least 1")

@@ -20,7 +20,7 @@ import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import numpy as np
@@ -33,6 +33,7 @@ from smoe.engine.batcher import Batcher, Meter, Ticket
 from smoe.engine.budget import Attention, Fit, kv_group_size, pick_context
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
+from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
 from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
@@ -583,11 +584,12 @@ class Engine(GroupAPI):
         params: SamplingParams,
         max_tokens: int,
         *,
-        sequence: Sequence_ | None = None,
+        sequence: SequenceHandle | None = None,
         stop_at_eos: bool = True,
         on_prepared: Callable[[Sequence_, int], None] | None = None,
     ) -> AsyncGenerator[Event, None]:
-        """Generate from ``prompt`` on ``sequence`` (a new one if None): the sequence keeps
+        """Generate from ``prompt`` on ``sequence`` (a handle this engine gave out through
+        ``on_prepared``, or None for a new one): the sequence keeps
         the keys and values of the prefix it shares with the prompt, and the batcher
         prefills the rest and decodes it with the others (what conversations and the
         server's prefix reuse build on). ``on_prepared(sequence, tokens_to_prefill)`` runs
@@ -595,6 +597,7 @@ class Engine(GroupAPI):
         ``generate``; leaving the iteration early takes the request out of the batch.
         Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt."""
         ids = self.check_prompt(prompt, extra=max_tokens)
+        own = cast(Sequence_ | None, sequence)  # handles are the sequences it made
         if self.ranks is not None and params.temperature > 0 and params.seed is None:
             if self.leader is None:
                 raise SmoeError(
@@ -607,10 +610,10 @@ class Engine(GroupAPI):
         leader = self.leader
         request = None
         if leader is not None:
-            request = leader.describe(sequence, ids, params, max_tokens, eos)
+            request = leader.describe(own, ids, params, max_tokens, eos)
 
         def prepare() -> Sequence_:  # compute thread
-            seq, run = self.point(sequence, ids, params)
+            seq, run = self.point(own, ids, params)
             if leader is not None and request is not None and request.new:
                 leader.sequences.adopt(seq, request.sequence)
             if on_prepared is not None:

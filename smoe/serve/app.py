@@ -42,9 +42,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from jinja2 import TemplateError
 
-from smoe.compute.runner import SamplingParams, Sequence_
 from smoe.engine import Engine
+from smoe.engine.handles import SequenceHandle
 from smoe.errors import SmoeError
+from smoe.sampling import SamplingParams
 from smoe.serve import anthropic_api, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
 from smoe.serve.body import MAX_BODY_BYTES, check_content_type, parse_body
@@ -454,7 +455,7 @@ class Server:
             self.reply_follow_ups += 1
         reused = 0  # prompt tokens whose keys and values this request reuses
 
-        def prepared(sequence: Sequence_, run: int) -> None:  # compute thread
+        def prepared(sequence: SequenceHandle, run: int) -> None:  # compute thread
             nonlocal seq, reused
             seq = sequence
             reused = len(ids) - 1 - run  # the last prompt token runs in the first step
@@ -503,8 +504,8 @@ class Server:
         self,
         ids: list[int],
         opts: RequestOptions,
-        seq: Sequence_ | None,
-        prepared: Callable[[Sequence_, int], None],
+        seq: SequenceHandle | None,
+        prepared: Callable[[SequenceHandle, int], None],
         fmt: Format,
         response: web.StreamResponse | None,
     ) -> None:
@@ -537,7 +538,7 @@ class Server:
         self,
         turn: _Turn,
         ids: list[int],
-        seq: Sequence_,
+        seq: SequenceHandle,
         generated: list[int],
         text: str,
         ended: bool,

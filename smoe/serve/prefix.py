@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from smoe.compute.runner import Sequence_, common_prefix
 from smoe.engine.conversation import follow_up_prompt
+from smoe.engine.handles import SequenceHandle
+from smoe.util.tokens import common_prefix
 
 __all__ = ["Cached", "ChatReply", "PrefixCache", "reply_ids"]
 
@@ -38,7 +39,7 @@ class ChatReply:
 class Cached:
     """One sequence of the prefix cache, with its chat reply if it has one."""
 
-    seq: Sequence_
+    seq: SequenceHandle
     reply: ChatReply | None = None
     text_bytes: int = 0  # what ``reply`` keeps
 
@@ -60,7 +61,7 @@ class PrefixCache:
     max_bytes: int = 2 * 1024**3
     entries: list[Cached] = field(default_factory=list)
 
-    def take(self, prompt: list[int]) -> tuple[Sequence_ | None, int]:
+    def take(self, prompt: list[int]) -> tuple[SequenceHandle | None, int]:
         best, best_len = None, 0
         for entry in self.entries:
             seq = entry.seq
@@ -72,7 +73,7 @@ class PrefixCache:
         self.entries.remove(best)
         return best.seq, best_len
 
-    def put(self, seq: Sequence_, reply: ChatReply | None = None) -> None:
+    def put(self, seq: SequenceHandle, reply: ChatReply | None = None) -> None:
         size = reply.nbytes() if reply is not None else 0
         self.entries.insert(0, Cached(seq, reply, size))
         del self.entries[self.capacity :]
@@ -109,8 +110,8 @@ class PrefixCache:
         return sum(entry.nbytes() for entry in self.entries)
 
 
-def _cache_bytes(seq: Sequence_) -> int:
-    return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
+def _cache_bytes(seq: SequenceHandle) -> int:
+    return seq.kv_bytes()
 
 
 def reply_ids(tok: Any, ids: list[int], text: str, cut: bool) -> int | None:
