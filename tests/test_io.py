@@ -500,7 +500,7 @@ async def test_io_error_names_the_record(q4, monkeypatch):
 
 
 def test_reader_rejects_bad_arguments(q4, vaults):
-    with pytest.raises(ValueError, match="make the ring from this vault"):
+    with pytest.raises(ValueError, match="make the ring from this model.s record layout"):
         DirectReader(q4, Ring(vaults["float"].manifest.record, 1))
     with pytest.raises(ValueError):
         DirectReader(q4, Ring(q4.manifest.record, 1), workers=0)

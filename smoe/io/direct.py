@@ -32,7 +32,7 @@ from smoe.io.direct_file import (
     open_vault_file,
     split_record,
 )
-from smoe.io.reader import RecordReader
+from smoe.io.reader import RecordReader, check_reader_args
 from smoe.io.ring import ExpertRing
 from smoe.vault.format import Vault
 from smoe.vault.integrity import hasher
@@ -193,13 +193,7 @@ class DirectReader(RecordReader):
         parts: int | None = None,
         verify: bool = True,
     ) -> None:
-        if workers < 1:  # before the file is opened
-            raise ValueError(f"workers must be at least 1, got {workers}")
-        if ring.stride != vault.manifest.record.stride:
-            raise ValueError(
-                f"the ring's slots are {ring.stride} bytes, the vault's records "
-                f"{vault.manifest.record.stride}: make the ring from this vault's record layout"
-            )
+        check_reader_args(workers, ring, vault.manifest.record.stride)  # before opening
         checks = VaultChecksums(vault) if verify else None  # an unknown algorithm: VaultError
         self.file = VaultFile(vault, direct, parts)
         try:

@@ -67,6 +67,18 @@ class RecordChecks(Protocol):
         """Told when a record matched only when read again (worth a warning)."""
 
 
+def check_reader_args(workers: int, ring: ExpertRing, stride: int) -> None:
+    """ValueError for a reader of no workers, or a ring whose slots do not fit the model's
+    records (``stride``). Readers call it before they open files."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if ring.stride != stride:
+        raise ValueError(
+            f"the ring's slots are {ring.stride} bytes, the model's records {stride}: make "
+            "the ring from this model's record layout"
+        )
+
+
 class RecordReader:
     """ReadBackend for a ring: ``await read(record, slot)`` fills the slot from
     ``locations``. ``workers`` threads read concurrently (several in flight keep an NVMe
@@ -85,13 +97,7 @@ class RecordReader:
         workers: int = 4,
         checks: RecordChecks | None = None,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be at least 1, got {workers}")
-        if ring.stride != locations.stride:
-            raise ValueError(
-                f"the ring's slots are {ring.stride} bytes, the model's records "
-                f"{locations.stride}: make the ring from this model's record layout"
-            )
+        check_reader_args(workers, ring, locations.stride)
         self.locations = locations
         self.ring = ring
         self.stride = ring.stride

@@ -33,7 +33,7 @@ from smoe.io.direct_file import (
     open_vault_file,
 )
 from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
-from smoe.io.reader import RecordReader
+from smoe.io.reader import RecordReader, check_reader_args
 from smoe.io.ring import ExpertRing
 from smoe.vault.source import Source
 from smoe.vault.source_index import Extent
@@ -217,13 +217,7 @@ class ShardReader(RecordReader):
         direct: bool = True,
         parts: int | None = None,
     ) -> None:
-        if workers < 1:  # before the shards are opened
-            raise ValueError(f"workers must be at least 1, got {workers}")
-        if ring.stride != source.manifest.record.stride:
-            raise ValueError(
-                f"the ring's slots are {ring.stride} bytes, the source's records "
-                f"{source.manifest.record.stride}: make the ring from this source's layout"
-            )
+        check_reader_args(workers, ring, source.manifest.record.stride)  # before opening
         self.shards = ShardExtents(source, workers, direct, parts)
         try:
             super().__init__(self.shards, ring, workers)
