@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On nvidia-h200-x2: expert parallelism over NCCL, one rank per GPU, against one process.
-# Builds the 16-layer Qwen3-235B-geometry vault if missing (phase_b.sh build), checks NCCL,
+# Builds the 16-layer Qwen3-235B-geometry vault if missing (q235_vault.sh build), checks NCCL,
 # then bench/distributed.py. Figures go to $OUT/bench_distributed.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PATH=/tmp/site/bin:$PATH  # mlx.launch, where the wheels were installed
 DATA=${DATA:-/tmp/data}
 V=$DATA/q235-${LAYERS:-16}
-[ -f "$V/manifest.json" ] || STEPS=build bash bench/gpu/phase_b.sh
+[ -f "$V/manifest.json" ] || STEPS=build bash bench/gpu/q235_vault.sh
 cat > /tmp/nccl_check.py <<'PY'
 import mlx.core as mx
 g = mx.distributed.init(strict=True, backend="nccl")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine: issue 26's figures (one row, one arithmetic). STEPS picks what runs
+# On the GPU machine: one row, one arithmetic (batched serving, drafts, the rules). STEPS picks what runs
 # (default all), in order:
-#   build     the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
+#   build     the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/q235_vault.sh build)
 #   fingerprint  which ops change a row's bits with the row count (bench/gpu/row_fingerprint.py)
 #   serve     `smoe serve` aggregate tok/s at 1, 2, 4, 8 clients, batched against one at a
 #             time, at a 5% ring and with every expert resident (bench/serve_clients.py),
@@ -12,7 +12,7 @@
 #   timeline  a batched step's host build, evaluation and read-back at 1-8 rows, rules on
 #             and off (bench/batch_build_cost.py), for the q235 vault and the trained demo
 #   tests     the exactness tests (tests/test_gpu.py; SMOE_GPU_ARCHS / SMOE_GPU_BITS pick)
-# JSON goes to $OUT, the log to $OUT/issue26.log, the tests' comparisons to
+# JSON goes to $OUT, the log to $OUT/one_row.log, the tests' comparisons to
 # $OUT/gpu-tests.jsonl. The tests need pytest>=8.4 and pytest-asyncio>=1.4, newer than the
 # GPU image's: carry their wheels (`pip download --no-deps -d .whl/t pytest-asyncio==1.5.0
 # pytest==9.2.0 pluggy iniconfig packaging pygments`) and install them into /tmp/site
@@ -30,7 +30,7 @@ for step in $STEPS; do
   echo "== $step $(date +%T)"
   case $step in
   build)
-    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/phase_b.sh ;;
+    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/q235_vault.sh ;;
   fingerprint)
     python3 bench/gpu/row_fingerprint.py --costs > "$OUT/fingerprint-bf16.json" ;;
   serve)
@@ -67,4 +67,4 @@ for step in $STEPS; do
   esac
 done
 echo "== done $(date +%T)"
-} 2>&1 | tee -a "$OUT/issue26.log"
+} 2>&1 | tee -a "$OUT/one_row.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine: issue 27's figures (the disk's limit and mlx-lm's speed, every run).
+# On the GPU machine: the disk's limit and mlx-lm's speed, every run.
 # STEPS picks what runs (default all), in order:
-#   build     the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
+#   build     the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/q235_vault.sh build)
 #   resident  `smoe bench resident` against mlx-lm, RES_RUNS fresh engines (default 3)
 #   decode    `smoe bench decode` at 5/25/50/100% with the raw rate of the same run and the
 #             warm ring beside the cold one
@@ -12,7 +12,7 @@
 #             graph's build time and size (bench/resident_overhead.py)
 #   first     the first reply of `smoe chat` on the demo with an empty MLX kernel cache
 #             (TMPDIR), against the next, with and without the warm-up (.ci/chat_once.py)
-# JSON goes to $OUT, the log to $OUT/issue27.log.
+# JSON goes to $OUT, the log to $OUT/speed.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,7 +27,7 @@ for step in $STEPS; do
   echo "== $step $(date +%T)"
   case $step in
   build)
-    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/phase_b.sh ;;
+    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/q235_vault.sh ;;
   resident)
     for i in $(seq ${RES_RUNS:-3}); do
       drop
@@ -61,4 +61,4 @@ for step in $STEPS; do
   esac
 done
 echo "== done $(date +%T)"
-} 2>&1 | tee -a "$OUT/issue27.log"
+} 2>&1 | tee -a "$OUT/speed.log"

@@ -42,4 +42,4 @@ for step in $STEPS; do
   esac
 done
 echo "== done $(date +%T)"
-} 2>&1 | tee -a "$OUT/phase_b.log"
+} 2>&1 | tee -a "$OUT/q235_vault.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, after ../shared/tools/device-wheels' setup: what MLX's CUDA backend does
 # with a staged ring (bench/gpu_probe.py), then the GPU exactness tests (tests/test_gpu.py).
-# Writes probe.json, gpu_tests.jsonl and phase_a.log under $OUT.
+# Writes probe.json, gpu_tests.jsonl and probe_and_test.log under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,4 +11,4 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   time python3 bench/gpu_probe.py --rounds ${PROBE_ROUNDS:-200} > "$OUT/probe.json"
   SMOE_GPU_REPORT="$OUT/gpu_tests.jsonl" timeout ${TEST_TIMEOUT:-420} \
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=8
-} 2>&1 | tee "$OUT/phase_a.log"
+} 2>&1 | tee "$OUT/probe_and_test.log"

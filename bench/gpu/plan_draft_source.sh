@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine: issue 17's figures. STEPS picks what runs (default all), in order:
-#   build   the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/phase_b.sh build)
+# On the GPU machine: the plan, drafts, KV-bits and run-from-download figures. STEPS picks what runs (default all), in order:
+#   build   the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/q235_vault.sh build)
 #   test    --kv-bits on CUDA: refused, as mlx-lm cannot run it there (tests/test_gpu.py)
 #   plan    smoe plan's forecast against measured (bench/plan_check.py) at 3 budgets
 #           (PLAN_BUDGETS overrides them)
@@ -10,7 +10,7 @@
 #   source  running from the shards against the vault (bench/source_vs_vault.py), for an HF
 #           (bf16) and an mlx-community (4-bit) download; SOURCE_LAYERS, SOURCE_RING
 # JSON goes to $OUT (plan_check.json, draft_q235.json, draft_demo.json, kv_bits.json,
-# source_vs_vault_{hf,mlx4}.json), the log to $OUT/issue17.log.
+# source_vs_vault_{hf,mlx4}.json), the log to $OUT/plan_draft_source.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,7 +24,7 @@ for step in $STEPS; do
   echo "== $step $(date +%T)"
   case $step in
   build)
-    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/phase_b.sh ;;
+    STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/q235_vault.sh ;;
   test)
     SMOE_GPU_VAULT=$V python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
       -k "kv_bits" 2>&1 | tail -5 ;;
@@ -62,4 +62,4 @@ EOF
   esac
 done
 echo "== done $(date +%T)"
-} 2>&1 | tee -a "$OUT/issue17.log"
+} 2>&1 | tee -a "$OUT/plan_draft_source.log"
