@@ -86,3 +86,33 @@ def test_the_guard_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from smoe.engine.core import Engine\n")
     assert _imports(bad) == ["engine"] and RANK["engine"] > RANK["vault"]
+
+
+def test_no_module_asks_which_kind_of_model_it_holds():
+    """Vault or download: the reader, its host bytes and the backbone's loading are chosen
+    by the model's type (smoe.io.open, compute.model.backbone_weights), the rest are
+    Vault's own methods; no module branches on isinstance(..., Source)."""
+    import re
+
+    asks = re.compile(r"isinstance\([^)]*\bSource\)")
+    found = [str(p.relative_to(SMOE)) for p in _modules() if asks.search(p.read_text())]
+    assert not found, found
+
+
+def test_each_kind_of_model_gets_its_own_reader(tmp_path):
+    from smoe.io.direct import DirectReader
+    from smoe.io.open import open_reader, reader_host_bytes
+    from smoe.io.shard_reader import ShardReader
+    from smoe.io.unified import UnifiedRing
+    from smoe.synth import synthesize
+    from smoe.vault.convert import ConvertOptions, convert
+    from smoe.vault.source import open_model
+
+    src = synthesize(tmp_path / "src", arch="qwen3_moe", preset="tiny", seed=3)
+    vault = convert(src, tmp_path / "v", ConvertOptions(dtype="float32"))
+    for model, kind in ((vault, DirectReader), (open_model(src), ShardReader)):
+        ring = UnifiedRing(model.manifest.record, 2)
+        with open_reader(model, ring, workers=1, direct=True, parts=None) as reader:
+            assert type(reader) is kind
+        ring.close()
+    assert reader_host_bytes(vault, 2) == 0 < reader_host_bytes(open_model(src), 2)

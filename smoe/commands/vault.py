@@ -85,10 +85,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from smoe.vault.inspect import render, summary, verify_files
-    from smoe.vault.source import Source, open_model
+    from smoe.vault.source import open_model
 
     vault = open_model(args.vault)  # a vault, or a download streamed from its shards
-    if isinstance(vault, Source) and args.verify:
+    if not vault.has_checksums and args.verify:
         raise SmoeError(
             f"{vault.path} is a download: it has no checksums to verify; 'smoe convert' "
             "makes a vault whose every record is checked"

@@ -8,6 +8,7 @@ StreamingExperts whose parameters are the ring's views.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import ChainMap
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from smoe.errors import SmoeError, VaultError
 from smoe.io.ring import ExpertRing
 from smoe.models.topology import model_classes
 from smoe.vault.format import Vault
+from smoe.vault.source import Source
 
 
 @dataclass(frozen=True)
@@ -301,16 +303,18 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
     return model
 
 
+@functools.singledispatch
 def backbone_weights(vault: Vault) -> dict[str, Any]:
-    """The backbone's tensors, lazily: backbone.safetensors, or a checkpoint folder's
-    shards through mlx-lm's loader (smoe.compute.source_backbone)."""
-    from smoe.vault.source import Source
-
-    if isinstance(vault, Source):
-        from smoe.compute.source_backbone import source_backbone
-
-        return source_backbone(vault)
+    """The backbone's tensors, lazily: a vault's backbone.safetensors, or a download's
+    shards through mlx-lm's loader (chosen by the model's type)."""
     return dict(mx.load(str(vault.backbone_path)))
+
+
+@backbone_weights.register
+def _(vault: Source) -> dict[str, Any]:
+    from smoe.compute.source_backbone import source_backbone
+
+    return source_backbone(vault)
 
 
 def _load_cast(model: nn.Module, weights: dict[str, Any], compute_dtype: mx.Dtype) -> None:

@@ -50,10 +50,9 @@ from smoe.engine.ring_plan import (
 )
 from smoe.engine.stats import BatchStats, EngineStats, QueueStats, RingStats
 from smoe.errors import BudgetTooSmall, SmoeError
-from smoe.io.direct import DirectReader
+from smoe.io.open import open_reader
 from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
-from smoe.io.shard_reader import ShardReader
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.parallel.watchdog import Watchdog
@@ -62,7 +61,7 @@ from smoe.sched.policy import PinnedHot
 from smoe.sched.popularity import Popularity
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
-from smoe.vault.source import Source, open_model
+from smoe.vault.source import open_model
 
 if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
@@ -211,15 +210,9 @@ class Engine(GroupAPI):
     def _start_io(self) -> None:
         """The I/O workers, the popularity counts and the scheduler over the ring."""
         m, o = self.vault.manifest, self.options
-        self.reader: RecordReader
-        if isinstance(self.vault, Source):
-            self.reader = ShardReader(
-                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
-            )
-        else:
-            self.reader = DirectReader(
-                self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
-            )
+        self.reader: RecordReader = open_reader(
+            self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+        )
         if not hasattr(self, "popularity"):
             self.popularity = Popularity(self.vault)
         self.tracer.observers.popularity = self.popularity

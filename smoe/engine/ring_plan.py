@@ -22,14 +22,13 @@ from typing import Any
 
 from smoe.engine.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
 from smoe.errors import SmoeError
+from smoe.io.open import reader_host_bytes
 from smoe.io.ring import needs_conversion, slots_for_budget
-from smoe.io.shard_reader import bounce_bytes
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
-from smoe.vault.source import Source
 
 KINDS = ("auto", "unified", "staged")
 
@@ -270,8 +269,8 @@ def budget_parts(
     discrete GPU's budget)."""
     dsize = int(dtype.size)
     landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
-    if isinstance(vault, Source) and not discrete:
-        landing += bounce_bytes(vault, workers)
+    if not discrete:  # a download's reader keeps bounce buffers (host memory)
+        landing += reader_host_bytes(vault, workers)
     return parts(
         vault.config(),
         backbone_bytes(vault.backbone_header(), dsize),

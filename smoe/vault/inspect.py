@@ -42,19 +42,8 @@ def summary(vault: Vault) -> dict[str, Any]:
 
 def _streamed(vault: Vault) -> dict[str, Any]:
     """For a checkpoint folder (a Source): how its experts would be read."""
-    from smoe.vault.source import Source
-
-    if not isinstance(vault, Source):
-        return {}
-    index = vault.index
-    return {
-        "streamed": {
-            "shards": len(index.files),
-            "reads_per_expert": round(index.reads_per_expert(), 2),
-            "stacked": index.stacked,
-            "stats_dir": str(vault.stats_dir),
-        }
-    }
+    how = vault.streamed()
+    return {"streamed": how} if how else {}
 
 
 def render(info: dict[str, Any]) -> str:

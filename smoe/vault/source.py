@@ -89,6 +89,18 @@ class Source(Vault):
         self._config = config
         self.cache_dir = cache_root() / SOURCES_DIR / _cache_key(path, index)
 
+    has_checksums = False  # the shards carry none: ``smoe convert`` makes a checked vault
+
+    def streamed(self) -> dict[str, Any]:
+        """How its experts are read: from how many shards, in how many reads each."""
+        index = self.index
+        return {
+            "shards": len(index.files),
+            "reads_per_expert": round(index.reads_per_expert(), 2),
+            "stacked": index.stacked,
+            "stats_dir": str(self.stats_dir),
+        }
+
     @property
     def experts_path(self) -> Path:
         return self.index.files[0]
