@@ -21,6 +21,7 @@ import numpy as np
 from smoe.bench.forecast import Shape, forecast, routing_probabilities
 from smoe.bench.probe import probe_compute, probe_disk, recorded_compute
 from smoe.engine.budget import (
+    KV_BITS,
     KV_STEP,
     Attention,
     Parts,
@@ -233,7 +234,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     import mlx.core as mx
 
     subject = open_subject(path, o.bits)
-    if o.kv_bits not in (None, 4, 8):
+    if o.kv_bits is not None and o.kv_bits not in KV_BITS:
         raise SmoeError(f"--kv-bits must be 4 or 8, not {o.kv_bits}")
     mlx_device = choose_device(o.device)
     device = current_device(mlx_device)

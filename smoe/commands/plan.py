@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.engine.budget import KV_BITS
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from smoe.bench.planner import PlanOptions, make_plan
@@ -138,7 +140,7 @@ def add_plan(sub: Any) -> None:
     p.add_argument(
         "--kv-bits",
         type=int,
-        choices=(4, 8),
+        choices=KV_BITS,
         default=None,
         help="quantized KV cache, as the run commands' (default: off, the model's dtype)",
     )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.engine.budget import KV_BITS
 from smoe.errors import SmoeError
 from smoe.vault.hub import resolve_model
 
@@ -456,7 +457,7 @@ def _ring_options(g: Any) -> None:
     g.add_argument(
         "--kv-bits",
         type=int,
-        choices=(4, 8),
+        choices=KV_BITS,
         default=None,
         help="quantize the KV cache to 4 or 8 bits (mlx-lm's; 0.28x or 0.16x of a float32 "
         "cache, 0.56x or 0.31x of bf16's; budgeted in --memory): output matches mlx-lm "

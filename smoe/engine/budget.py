@@ -35,7 +35,7 @@ from smoe.util.sizes import format_bytes, parse_size
 RUNTIME_BYTES = 320 * 10**6
 ALLOCATOR_SLACK = 2.0  # MLX keeps the previous pass's freed buffers for reuse
 KV_STEP = 256  # mlx-lm's KVCache / QuantizedKVCache grow in steps of 256 tokens
-KV_BITS = (None, 8, 4)
+KV_BITS = (4, 8)  # quantized KV cache widths (mlx-lm's QuantizedKVCache): the one list
 
 _SAFETENSORS_SIZES = {
     "F64": 8,
@@ -194,7 +194,7 @@ def kv_bytes(
     """Bytes of ``sequences`` mlx-lm KV caches holding ``context`` tokens each: K and V per
     layer, in the compute dtype, or quantized to ``kv_bits`` with a scale and a bias in the
     compute dtype per ``attn.kv_group`` elements."""
-    if kv_bits not in KV_BITS:
+    if kv_bits is not None and kv_bits not in KV_BITS:
         raise SmoeError(f"kv_bits must be 4 or 8 (or left out), not {kv_bits}")
     elements = attn.layers * attn.kv_per_token * kv_capacity(context)
     if kv_bits is None:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from smoe.compute.draft import DRAFTERS, MAX_DRAFT_TOKENS
+from smoe.engine.budget import KV_BITS  # quantized KV cache widths offered (one list)
 from smoe.errors import SmoeError
 from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
-
-KV_BITS = (4, 8)  # quantized KV cache widths offered (mlx-lm's QuantizedKVCache)
 
 
 @dataclass
@@ -50,7 +48,6 @@ class EngineOptions:
     # draft_tokens: tokens drafted per pass (k).
     draft: str | None = None
     draft_tokens: int = 4
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self, top_k: int, num_experts: int) -> None:
         """Refuse any option that cannot work with a model routing ``top_k`` of
