@@ -12,8 +12,12 @@ from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
+    """Every knob of an engine, frozen: checked once when made (``__post_init__``: what
+    needs no model) and against the model when the engine opens (``check``). A bad value
+    raises SmoeError naming the fix, before any resource is taken."""
+
     memory: int | str | None = None  # the whole process's budget, e.g. "6GB": backbone + KV
     # caches + working memory + the ring, which gets what remains (smoe.engine.budget); None:
     # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
@@ -49,10 +53,8 @@ class EngineOptions:
     draft: str | None = None
     draft_tokens: int = 4
 
-    def check(self, top_k: int, num_experts: int) -> None:
-        """Refuse any option that cannot work with a model routing ``top_k`` of
-        ``num_experts`` experts per layer (SmoeError naming the fix), before the engine
-        takes a resource: no file, thread or ring is left behind by a bad option."""
+    def __post_init__(self) -> None:
+        """The checks that need no model (SmoeError naming the fix)."""
         if self.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
@@ -81,11 +83,6 @@ class EngineOptions:
         if not self.collective_timeout > 0:
             raise SmoeError("collective_timeout must be positive (seconds)")
         self._check_draft()
-        if not 0 <= self.spec <= num_experts - top_k:
-            raise SmoeError(
-                f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
-                f"routing {top_k} of {num_experts} experts"
-            )
         base, hinted = split_policy_name(self.policy)
         if base not in POLICIES:
             names = ", ".join(sorted(POLICIES))
@@ -94,6 +91,17 @@ class EngineOptions:
             raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
         if not hinted and self.hint_depth is not None:
             raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
+
+    def check(self, top_k: int, num_experts: int) -> None:
+        """Refuse any option that cannot work with a model routing ``top_k`` of
+        ``num_experts`` experts per layer (SmoeError naming the fix), before the engine
+        takes a resource: no file, thread or ring is left behind by a bad option."""
+        if not 0 <= self.spec <= num_experts - top_k:
+            raise SmoeError(
+                f"spec (gate-echo bets) must lie in 0..{num_experts - top_k} for a model "
+                f"routing {top_k} of {num_experts} experts"
+            )
+        _, hinted = split_policy_name(self.policy)
         if hinted and not top_k < self.hint_depth_for(top_k, num_experts) <= num_experts:
             raise SmoeError(f"hint_depth must lie in {top_k + 1}..{num_experts}")
 
