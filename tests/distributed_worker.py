@@ -47,7 +47,7 @@ async def main(
         report = {
             "rank": rank,
             "size": engine.ranks.size,
-            "ring_slots": engine.ring.num_slots,
+            "ring_slots": engine.stats().ring.slots,
             "owned": engine.ranks.owned_counts(),
             "picks": picks,
             "tokens": tokens,

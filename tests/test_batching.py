@@ -125,7 +125,7 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
             await collect(engine.generate(p, max_tokens=12, stop_at_eos=False, **kw))
             for p, kw in zip(ps, SETTINGS, strict=True)
         ]
-        assert engine.batcher.step_rows == engine.batcher.steps  # really one at a time
+        assert engine.batcher.step_rows == engine.stats().batch.steps  # really one at a time
     async with Engine.open(vault.path, slots=2 * top_k) as engine:
         async with engine.exclusive():  # all four are queued before the first is admitted
             runs = [
@@ -135,9 +135,9 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
                 for p, kw in zip(ps, SETTINGS, strict=True)
             ]
             await asyncio.sleep(0)  # each task runs up to its submit, then waits
-            assert engine.batcher.queued == len(runs)
+            assert engine.stats().batch.waiting == len(runs)
         assert await asyncio.gather(*runs) == solo
-        assert engine.batcher.step_rows >= 3 * engine.batcher.steps  # rows shared passes
+        assert engine.batcher.step_rows >= 3 * engine.stats().batch.steps  # rows shared passes
 
 
 async def test_concurrent_generations_with_every_expert_resident_are_built_ahead(vaults):
@@ -168,8 +168,8 @@ async def test_concurrent_generations_with_every_expert_resident_are_built_ahead
             ]
             await asyncio.sleep(0)
         assert await asyncio.gather(*runs) == solo
-        assert engine.batcher.step_rows >= 2 * engine.batcher.steps  # rows shared passes
-        assert engine.runner.built_ahead >= engine.batcher.steps - len(ps)
+        assert engine.batcher.step_rows >= 2 * engine.stats().batch.steps  # rows shared passes
+        assert engine.runner.built_ahead >= engine.stats().batch.steps - len(ps)
 
 
 async def test_generation_stats_report_the_batch(vaults):
@@ -184,7 +184,7 @@ async def test_generation_stats_report_the_batch(vaults):
         async with engine.exclusive():
             runs = [asyncio.ensure_future(last(p)) for p in ps]
             await asyncio.sleep(0)
-            assert engine.batcher.queued == 2
+            assert engine.stats().batch.waiting == 2
         stats = await asyncio.gather(*runs)
     for s in stats:
         assert s.generated_tokens == 5 and s.decode_batch_mean > 1
@@ -209,7 +209,7 @@ async def test_concurrent_conversations_equal_solo_ones(tmp_path):
         solo = [await chat(engine, lines) for lines in turns]
     async with Engine.open(vault.path) as engine:
         assert await asyncio.gather(*(chat(engine, lines) for lines in turns)) == solo
-        assert engine.batcher.step_rows > engine.batcher.steps
+        assert engine.batcher.step_rows > engine.stats().batch.steps
 
 
 async def test_a_failed_batched_pass_resets_its_sequences(vaults):
@@ -245,7 +245,7 @@ async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
         seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts()]
         routed: list[np.ndarray] = []
         engine.tracer.observers.on_routing = lambda layer, idx: routed.append(idx)
-        stats = engine.scheduler.stats
+        stats = engine.stats().scheduler
         asked0 = stats.hits + stats.misses
         await engine.compute.run(r.step_batch, seqs)
         asked = stats.hits + stats.misses - asked0

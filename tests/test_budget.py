@@ -145,7 +145,7 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
     stride = m.record.stride
     memory = needs.fixed + 5 * stride + stride // 2
     async with Engine.open(vault.path, memory=memory, max_batch=1) as engine:
-        assert engine.ring.num_slots == 5
+        assert engine.stats().ring.slots == 5
         assert engine.fit is not None and engine.fit.slots == 5
         assert engine.fit.fixed == needs.fixed and engine.fit.total == memory
         assert "-> ring" in engine.fit.line() and "5 experts" in engine.fit.line()
@@ -163,7 +163,7 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
     assert plan8.fit is not None and plan8.slots == 7 and plan8.fit.kv == needs8.kv
     # --slots stays the explicit override (no budget division)
     async with Engine.open(vault.path, slots=3, memory=1) as engine:
-        assert engine.ring.num_slots == 3 and engine.fit is None
+        assert engine.stats().ring.slots == 3 and engine.fit is None
 
 
 def test_the_smallest_budget_works_and_one_byte_less_is_refused(vault):

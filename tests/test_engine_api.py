@@ -140,7 +140,7 @@ async def test_bad_input_fails_before_any_work(vault):
                 await collect(engine, [1, 2], temperature=bad)
             with pytest.raises(SmoeError, match="top_p must be a finite number"):
                 await collect(engine, [1, 2], top_p=bad)
-        assert engine.scheduler.stats.misses == 0  # nothing was read
+        assert engine.stats().scheduler.misses == 0  # nothing was read
 
 
 def test_vault_mismatch_names_the_file(vault, tmp_path):
@@ -296,15 +296,15 @@ async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch)
     m = vault.manifest
     monkeypatch.setattr(engine_module, "available_memory", lambda: None)
     async with Engine.open(vault.path) as engine:
-        assert engine.ring.num_slots == m.num_records  # unknown: every expert
+        assert engine.stats().ring.slots == m.num_records  # unknown: every expert
     backbone = vault.backbone_path.stat().st_size
     room = 2 * (backbone + 5 * m.record.stride)  # half of it holds the backbone + 5 records
     monkeypatch.setattr(engine_module, "available_memory", lambda: room)
     async with Engine.open(vault.path) as engine:
-        assert engine.ring.num_slots == 5
+        assert engine.stats().ring.slots == 5
     monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
     async with Engine.open(vault.path) as engine:  # never below one token's top-k
-        assert engine.ring.num_slots == m.shape.experts_per_token
+        assert engine.stats().ring.slots == m.shape.experts_per_token
 
 
 @pytest.mark.asyncio

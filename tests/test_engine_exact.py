@@ -182,7 +182,7 @@ async def test_prefill_and_decode_equal_mlx_lm_bit_for_bit(arch, quantized):
 
         full = prompt + ref_tokens  # 86 tokens: chunks of 64 + 22
         assert np.array_equal(await engine.logits(full), reference_logits(ref, full))
-        assert engine.scheduler.stats.io_errors == 0
+        assert engine.stats().scheduler.io_errors == 0
 
 
 # --------------------------------------------------------------------------- 2. budgets
@@ -203,7 +203,7 @@ async def test_every_memory_budget_gives_the_same_bits(quantized):
     expected_slots = {"minimum": top_k_of(vault), "half": m.num_records // 2, "all": m.num_records}
     for name, opts in budgets.items():
         async with Engine.open(vault.path, **opts) as engine:
-            assert engine.ring.num_slots == expected_slots[name]
+            assert engine.stats().ring.slots == expected_slots[name]
             assert np.array_equal(await engine.logits(prompt), want), name
             waves = max(t.waves for t in engine.tracer.counters.calls)
             if name == "minimum":
@@ -296,7 +296,7 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
                 for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
                     assert np.array_equal(a, b), (seed, slots, i)
                 assert shuffled.max_in_flight > 1
-                assert engine.scheduler.stats.io_errors == 0
+                assert engine.stats().scheduler.io_errors == 0
                 reordered += shuffled.finished != shuffled.started
                 waves += sum(t.waves > 1 for t in engine.tracer.counters.calls)
             for _, idx, reads in calls_and_reads(log):
@@ -435,7 +435,7 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
         engine.scheduler.wrap_backend(lambda inner: RecordingReads(inner, log))
         engine.tracer.observers.on_routing = log_routing(log)
         await engine.logits(prompt)
-        stats, traces = engine.scheduler.stats, engine.tracer.counters.calls
+        stats, traces = engine.stats().scheduler, engine.tracer.counters.calls
     calls = calls_and_reads(log)
     assert len(calls) == len(traces) and stats.io_errors == 0
     for (layer, idx, reads), trace in zip(calls, traces, strict=True):
@@ -518,13 +518,13 @@ async def test_the_staged_ring_is_bit_identical_at_every_budget_under_shuffled_r
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     for seed, slots in enumerate((top_k_of(vault), m.num_records // 2, m.num_records)):
         async with Engine.open(vault.path, slots=slots, ring="staged") as engine:
-            assert engine.ring.kind == "staged" and engine.ring.num_slots == slots
+            assert engine.ring.kind == "staged" and engine.stats().ring.slots == slots
             engine.scheduler.wrap_backend(functools.partial(ShuffledReads, seed=seed, log=[]))
             assert np.array_equal(await engine.logits(prompt), want), slots
             step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
             for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
                 assert np.array_equal(a, b), (slots, i)
-            assert engine.ring.commits > 0 and engine.scheduler.stats.io_errors == 0
+            assert engine.ring.commits > 0 and engine.stats().scheduler.io_errors == 0
 
 
 @pytest.mark.asyncio
@@ -578,7 +578,7 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
     prompt = _prompt(70, seed=6)
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     async with Engine.open(vault.path, ring=ring) as engine:
-        assert engine.ring.num_slots == m.num_records
+        assert engine.stats().ring.slots == m.num_records
         for spec in m.layers:
             engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(8)))
         assert await engine.logits(prompt[:3]) is not None  # the next reservation pins all
@@ -588,7 +588,7 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
         step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
         for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
             assert np.array_equal(a, b), i
-        reads = engine.scheduler.stats.misses
+        reads = engine.stats().scheduler.misses
         stats, tokens = None, []
         async for ev in engine.generate(prompt, max_tokens=DECODE_STEPS, temperature=0.0):
             stats = ev.stats or stats
@@ -597,7 +597,7 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
         # decode was built a step ahead (mlx-lm's overlap), all but the last step
         assert engine.runner.built_ahead == DECODE_STEPS - 1
         assert stats.hit_rate == 1.0 and stats.hits > 0 and stats.bytes_read == 0
-        assert engine.scheduler.stats.misses == reads
+        assert engine.stats().scheduler.misses == reads
 
 
 @pytest.mark.asyncio

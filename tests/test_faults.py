@@ -188,7 +188,7 @@ async def test_faults_during_batched_generations_end_cleanly_or_change_nothing(v
             runs = [outcome(engine, p) for p in PROMPTS]
             results = await asyncio.wait_for(asyncio.gather(*runs), SAFETY)
             faults.on = False
-            assert engine.batcher.steps > 0
+            assert engine.stats().batch.steps > 0
             for i, got in enumerate(results):
                 if isinstance(got, SmoeError):
                     check_clean(got)
@@ -230,7 +230,7 @@ async def test_a_failed_read_releases_each_pin_exactly_once(vault, monkeypatch, 
         check_clean(got)
         assert got.errno == errno.EIO
         await check_usable(engine, reference)
-        stats = engine.scheduler.stats  # unpins are counted as asked, before any check
+        stats = engine.stats().scheduler  # unpins are counted as asked, before any check
         assert stats.pins > 0 and stats.unpins == stats.pins  # as many releases as pins
         assert pins_left(engine.scheduler) == {}
     assert not [r for r in caplog.records if "released more often" in r.getMessage()]

@@ -76,13 +76,13 @@ async def test_prewarm_of_a_ring_that_holds_the_model_makes_it_resident(vault):
     prompt = [20, 21]
     async with Engine.open(vault.path, slots=every) as engine:
         cold = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
-        assert engine.scheduler.fill() < every  # some experts were never read: streamed
+        assert engine.stats().ring.filled < every  # some experts were never read: streamed
         assert engine.runner.built_ahead == 0
     (vault.path / "stats" / "popularity.npz").unlink()  # no history to go by
     async with Engine.open(vault.path, slots=every) as engine:
         assert engine.prewarm() == every
         await drain(engine)
-        assert engine.scheduler.fill() == every
+        assert engine.stats().ring.filled == every
         warm = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
         assert engine.runner.resident() and engine.runner.built_ahead > 0
         assert warm == cold
@@ -98,7 +98,7 @@ async def test_demand_drops_queued_prewarm(vault):
         await asyncio.sleep(0)  # let the request start
         await task
         # the request dropped the bets that had not started (at most `workers` ran)
-        cancelled = engine.scheduler.stats.by_priority[Priority.SPECULATIVE].cancelled
+        cancelled = engine.stats().scheduler.by_priority[Priority.SPECULATIVE].cancelled
         assert cancelled > 0
         engine.scheduler.check_invariants()
 

@@ -143,7 +143,7 @@ async def _engine_ring(path, memory):
     slots, its context and its fit."""
     async with Engine.open(path, memory=memory, max_batch=1, device="cpu") as engine:
         fit = engine.fit.to_json() if engine.fit is not None else None
-        return engine.ring.num_slots, engine.max_context, fit
+        return engine.stats().ring.slots, engine.max_context, fit
 
 
 @pytest.mark.parametrize("what", ["vault", "download"])

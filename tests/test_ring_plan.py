@@ -124,7 +124,7 @@ def test_kv_room_counts_every_sequence_of_the_context(vaults):
 @pytest.mark.asyncio
 async def test_the_engine_builds_the_planned_ring(vaults):
     async with Engine.open(vaults["bf16"].path, slots=3) as engine:
-        assert engine.ring.kind == "staged" and engine.ring.num_slots == 3
+        assert engine.ring.kind == "staged" and engine.stats().ring.slots == 3
     async with Engine.open(vaults["f32"].path, slots=3) as engine:
         assert engine.ring.kind == "unified"
     engine = Engine.open(vaults["bf16"].path, ring="unified")
@@ -164,7 +164,7 @@ async def test_a_closed_engine_frees_its_staged_ring_while_still_referenced(vaul
     engine = Engine.open(vaults["bf16"].path, ring="staged", slots=slots)
     async with engine:
         await engine.logits([5, 6, 7, 8])
-        ring_bytes = engine.ring.nbytes
+        ring_bytes = engine.stats().ring.nbytes
         assert mx.get_active_memory() - before >= ring_bytes
     assert engine.ring.banks() == []
     assert mx.get_active_memory() - before < ring_bytes // 4  # the backbone went too

@@ -71,7 +71,7 @@ async def test_api_key_and_queue_limits(vault):
             first = asyncio.create_task(
                 srv.client().chat.completions.create(model="smoe", messages=MESSAGES, max_tokens=2)
             )
-            await until(lambda: engine.batcher.queued == 1)  # it waits in the queue
+            await until(lambda: engine.stats().batch.waiting == 1)  # it waits in the queue
             with pytest.raises(openai.RateLimitError):  # the queue is full
                 await srv.client().chat.completions.create(
                     model="smoe", messages=MESSAGES, max_tokens=2
@@ -178,7 +178,7 @@ async def test_concurrent_requests_are_batched_and_equal_solo(vault):
     async with Engine.open(vault.path) as engine, Running(engine, ServerOptions()) as srv:
         async with engine.exclusive():  # let all four arrive before the first is admitted
             runs = [asyncio.ensure_future(ask(srv, m)) for m in asks]
-            await until(lambda: engine.batcher.queued == len(asks))
+            await until(lambda: engine.stats().batch.waiting == len(asks))
         assert await asyncio.gather(*runs) == solo
         async with aiohttp.ClientSession() as http, http.get(srv.base + "/v1/smoe/stats") as r:
             batch = (await r.json())["batch"]
@@ -356,7 +356,7 @@ async def test_many_clients_some_leaving_early_leave_nothing_behind(vault):
 
         got = await asyncio.gather(*(client(i) for i in range(12)))
         await asyncio.wait_for(engine.batcher.wait_idle(), timeout=30)
-        assert not engine.batcher.active and engine.batcher.queued == 0
+        assert not engine.batcher.active and engine.stats().batch.waiting == 0
         assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
         for i, text in enumerate(got):
             if text is not None:

@@ -220,7 +220,7 @@ async def test_logits_and_tokens_equal_the_vault_and_mlx_lm(kind, sources):
                     if ev.token is not None
                 ]
                 got[path] = (logits, tokens)
-                assert engine.scheduler.stats.io_errors == 0
+                assert engine.stats().scheduler.io_errors == 0
         (a, ta), (b, tb) = got[folder], got[vault.path]
         assert np.array_equal(a, b) and ta == tb, slots
         assert np.array_equal(a, want), slots
@@ -409,7 +409,7 @@ async def test_one_read_per_expert_where_its_tensors_sit_side_by_side(arch, hf_d
     ]
     async with Engine.open(source, slots=2) as engine:
         await engine.logits(_prompt(8))
-        assert engine.reader.reads == engine.scheduler.stats.misses > 0
+        assert engine.reader.reads == engine.stats().scheduler.misses > 0
 
 
 def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(sources, copy_dir):

@@ -75,7 +75,7 @@ async def test_a_warm_up_reads_a_few_tokens_experts_and_counts_no_popularity():
     vault = demo_vault()
     async with Engine.open(vault) as engine:
         session = engine.popularity.session.copy()
-        sched = engine.scheduler.stats
+        sched = engine.stats().scheduler
         before = sched.bytes_read()
         seconds = await engine.warm_up(temperature=0.7, seed=1)
         read = sched.bytes_read() - before
