@@ -150,15 +150,7 @@ def _needs(
     for the vault `smoe convert` would make."""
     if subject.vault is not None:
         return budget_parts(
-            subject.vault,
-            dtype,
-            kind=kind,
-            discrete=device.discrete,
-            max_batch=o.max_batch,
-            max_context=context,
-            kv_bits=o.kv_bits,
-            prefill_chunk=o.prefill_chunk,
-            workers=o.workers,
+            subject.vault, dtype, kind=kind, discrete=device.discrete, **_sizing(o, context)
         )
     dsize = int(dtype.size)
     landing = 2 * o.workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
@@ -186,12 +178,20 @@ def _engine_ring(subject: Subject, o: PlanOptions, dtype: Any, device: Device, c
         dtype=dtype,
         device=device,
         memory=o.memory,
-        max_batch=o.max_batch,
-        max_context=context,
-        kv_bits=o.kv_bits,
-        prefill_chunk=o.prefill_chunk,
-        workers=o.workers,
+        **_sizing(o, context),
     )
+
+
+def _sizing(o: PlanOptions, context: int) -> dict[str, Any]:
+    """The options both the ring and the parts beside it are sized from, as the engine
+    passes them (Engine._plan_at)."""
+    return {
+        "max_batch": o.max_batch,
+        "max_context": context,
+        "kv_bits": o.kv_bits,
+        "prefill_chunk": o.prefill_chunk,
+        "workers": o.workers,
+    }
 
 
 def context_limit(needs_at: Any, top_k: int, per_slot: int, memory: int, limit: int) -> int:

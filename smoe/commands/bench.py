@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.commands.options import add_device
 from smoe.errors import SmoeError
 
 
@@ -245,12 +246,7 @@ def _bench_tokens(p: argparse.ArgumentParser, prompt: int, reply: int) -> None:
 
 def _bench_device(p: argparse.ArgumentParser) -> None:
     """--device and --ring, as the run commands take them."""
-    p.add_argument(
-        "--device",
-        choices=("cpu", "gpu"),
-        default=None,
-        help="compute device (default: MLX's, the GPU where there is one)",
-    )
+    add_device(p)
     p.add_argument(
         "--ring",
         choices=("auto", "unified", "staged"),

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.commands.options import add_device, add_dtype
 from smoe.engine.budget import KV_BITS
 
 
@@ -116,18 +117,8 @@ def add_plan(sub: Any) -> None:
         default=None,
         help="the whole process's budget, e.g. 8GB (default: the engine's default budget)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "gpu"),
-        default=None,
-        help="compute device (default: MLX's, the GPU where there is one)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
-    )
+    add_device(p)
+    add_dtype(p)
     p.add_argument(
         "--max-context",
         "--context",

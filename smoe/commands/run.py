@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.commands.options import add_device, add_dtype
 from smoe.engine.budget import KV_BITS
 from smoe.errors import SmoeError
 from smoe.vault.hub import resolve_model
@@ -422,18 +423,8 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "(default 4096, or the model's maximum if smaller; with --memory, halved down to "
         "512 until it fits)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "gpu"),
-        default=None,
-        help="compute device (default: MLX's, the GPU where there is one)",
-    )
+    add_dtype(p)
+    add_device(p)
     advanced = p.add_argument_group(
         ADVANCED, "how the expert ring is sized, read, evicted and prefetched into"
     )
