@@ -34,7 +34,7 @@ async def main(
     async with Engine.open(vault, slots=slots, distributed="any") as engine:
         assert engine.ranks is not None
         if whole:  # the GPU's way on any device: each layer in one call, as mlx-lm makes it
-            for module in engine.runner.model.modules():
+            for module in engine.debug.runner.model.modules():
                 if isinstance(module, StreamingExperts):
                     module.overlap = False
         rank = engine.ranks.rank

@@ -53,20 +53,22 @@ def vaults(hf_dir, tmp_path_factory):
 
 async def solo_decode(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]:
     """Greedy decode of one sequence alone; the logits of each step."""
-    seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+    seq = await engine.debug.compute.run(engine.debug.runner.start, prompt, SamplingParams())
     out = []
     for _ in range(steps):
-        out.append(await engine.compute.run(engine.runner.next_logits, seq))
+        out.append(await engine.debug.compute.run(engine.debug.runner.next_logits, seq))
         seq.tokens.append(int(np.argmax(out[-1])))
     return out
 
 
 async def batched_decode(engine: Engine, ps: list[list[int]], steps: int) -> list[list]:
     """Greedy decode of all of ``ps`` together, one batched pass per step."""
-    seqs = [await engine.compute.run(engine.runner.start, p, SamplingParams()) for p in ps]
+    seqs = [
+        await engine.debug.compute.run(engine.debug.runner.start, p, SamplingParams()) for p in ps
+    ]
     out: list[list[np.ndarray]] = [[] for _ in ps]
     for _ in range(steps):
-        logits = await engine.compute.run(engine.runner.next_logits_batch, seqs)
+        logits = await engine.debug.compute.run(engine.debug.runner.next_logits_batch, seqs)
         for row, seq in enumerate(seqs):
             out[row].append(logits[row])
             seq.tokens.append(int(np.argmax(logits[row])))
@@ -80,14 +82,14 @@ async def test_batched_step_equals_solo_bit_for_bit(arch, vaults):
     top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):  # the minimum ring: each layer runs in waves
         async with Engine.open(vault.path, **ring) as engine:
-            assert engine.runner.batchable
+            assert engine.debug.runner.batchable
             solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
             batched = await batched_decode(engine, prompts(), STEPS)
             for row in range(len(solo)):
                 for step in range(STEPS):
                     a, b = batched[row][step], solo[row][step]
                     assert np.array_equal(a, b), (ring, row, step, np.abs(a - b).max())
-            assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
+            assert set(engine.debug.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: sliding-window masks
@@ -125,7 +127,7 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
             await collect(engine.generate(p, max_tokens=12, stop_at_eos=False, **kw))
             for p, kw in zip(ps, SETTINGS, strict=True)
         ]
-        assert engine.batcher.step_rows == engine.stats().batch.steps  # really one at a time
+        assert engine.debug.batcher.step_rows == engine.stats().batch.steps  # really one at a time
     async with Engine.open(vault.path, slots=2 * top_k) as engine:
         async with engine.exclusive():  # all four are queued before the first is admitted
             runs = [
@@ -137,7 +139,9 @@ async def test_concurrent_generations_equal_solo_ones(vaults):
             await asyncio.sleep(0)  # each task runs up to its submit, then waits
             assert engine.stats().batch.waiting == len(runs)
         assert await asyncio.gather(*runs) == solo
-        assert engine.batcher.step_rows >= 3 * engine.stats().batch.steps  # rows shared passes
+        assert (
+            engine.debug.batcher.step_rows >= 3 * engine.stats().batch.steps
+        )  # rows shared passes
 
 
 async def test_concurrent_generations_with_every_expert_resident_are_built_ahead(vaults):
@@ -168,8 +172,10 @@ async def test_concurrent_generations_with_every_expert_resident_are_built_ahead
             ]
             await asyncio.sleep(0)
         assert await asyncio.gather(*runs) == solo
-        assert engine.batcher.step_rows >= 2 * engine.stats().batch.steps  # rows shared passes
-        assert engine.runner.built_ahead >= engine.stats().batch.steps - len(ps)
+        assert (
+            engine.debug.batcher.step_rows >= 2 * engine.stats().batch.steps
+        )  # rows shared passes
+        assert engine.debug.runner.built_ahead >= engine.stats().batch.steps - len(ps)
 
 
 async def test_generation_stats_report_the_batch(vaults):
@@ -209,7 +215,7 @@ async def test_concurrent_conversations_equal_solo_ones(tmp_path):
         solo = [await chat(engine, lines) for lines in turns]
     async with Engine.open(vault.path) as engine:
         assert await asyncio.gather(*(chat(engine, lines) for lines in turns)) == solo
-        assert engine.batcher.step_rows > engine.stats().batch.steps
+        assert engine.debug.batcher.step_rows > engine.stats().batch.steps
 
 
 async def test_a_failed_batched_pass_resets_its_sequences(vaults):
@@ -219,20 +225,20 @@ async def test_a_failed_batched_pass_resets_its_sequences(vaults):
     # The smallest ring: a pass's first MoE layer always misses, so its read fails after
     # attention ran (the backbone layers are out of step with the MoE ones).
     async with Engine.open(vault.path, slots=4) as engine:
-        r = engine.runner
-        disk = engine.scheduler.wrap_backend(FailingReads)
-        seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts(2)]
+        r = engine.debug.runner
+        disk = engine.debug.scheduler.wrap_backend(FailingReads)
+        seqs = [await engine.debug.compute.run(r.start, p, SamplingParams()) for p in prompts(2)]
         disk.failing = True
         with pytest.raises(ExpertReadError, match="disk gone"):
-            await engine.compute.run(r.step_batch, seqs)
+            await engine.debug.compute.run(r.step_batch, seqs)
         assert disk.failed > 0
         disk.failing = False
         assert all(s.cached == 0 and s.to_prefill() == len(s.tokens) - 1 for s in seqs)
         alone = await solo_decode(engine, prompts(1)[0], 1)
         for seq in seqs:
-            while await engine.compute.run(r.prefill_chunk, seq):
+            while await engine.debug.compute.run(r.prefill_chunk, seq):
                 pass
-        again = await engine.compute.run(r.next_logits_batch, seqs)
+        again = await engine.debug.compute.run(r.next_logits_batch, seqs)
         assert np.array_equal(again[0], alone[0])
 
 
@@ -241,15 +247,15 @@ async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
     read) once. The scheduler sees exactly the union of the rows' experts, no more."""
     vault = vaults("qwen3_moe")  # 8 experts, top-2: four rows overlap
     async with Engine.open(vault.path, lookahead=False) as engine:
-        r = engine.runner
-        seqs = [await engine.compute.run(r.start, p, SamplingParams()) for p in prompts()]
+        r = engine.debug.runner
+        seqs = [await engine.debug.compute.run(r.start, p, SamplingParams()) for p in prompts()]
         routed: list[np.ndarray] = []
-        engine.tracer.observers.on_routing = lambda layer, idx: routed.append(idx)
+        engine.debug.tracer.observers.on_routing = lambda layer, idx: routed.append(idx)
         stats = engine.stats().scheduler
         asked0 = stats.hits + stats.misses
-        await engine.compute.run(r.step_batch, seqs)
+        await engine.debug.compute.run(r.step_batch, seqs)
         asked = stats.hits + stats.misses - asked0
-        engine.tracer.observers.on_routing = None
+        engine.debug.tracer.observers.on_routing = None
     assert all(idx.shape[0] == len(seqs) for idx in routed)  # one call per layer, B rows
     unions = [len(np.unique(idx)) for idx in routed]
     per_row = [sum(len(set(row)) for row in idx) for idx in routed]

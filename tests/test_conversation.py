@@ -43,7 +43,7 @@ async def test_follow_up_prefills_only_what_is_new(vault):
         assert s1.prefilled_tokens == s1.prompt_tokens - 1  # the last one runs in the step
         stream = conv.tokens
         prompt2 = conv.template([*conv.messages, {"role": "user", "content": "More."}])
-        engine.tracer.counters.calls.clear()
+        engine.debug.tracer.counters.calls.clear()
         _, s2 = await reply(conv, "More.", max_tokens=1)
         # The reply's last token was sampled but never run: it is not in the cache yet.
         reused = min(common_prefix(stream, prompt2), len(stream) - 1)
@@ -52,7 +52,7 @@ async def test_follow_up_prefills_only_what_is_new(vault):
         assert reused >= s1.prompt_tokens  # the whole first prompt is reused
         # Counted independently: tokens the first MoE layer saw in this turn.
         first_layer = vault.manifest.layers[0].layer
-        seen = sum(t.tokens for t in engine.tracer.counters.calls if t.layer == first_layer)
+        seen = sum(t.tokens for t in engine.debug.tracer.counters.calls if t.layer == first_layer)
         assert seen == s2.prefilled_tokens + 1  # + the step that sampled the reply
 
 
@@ -61,9 +61,11 @@ async def make_resident(engine: Engine) -> None:
     then built a step ahead: Runner.step)."""
     m = engine.vault.manifest
     for spec in m.layers:
-        engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(m.num_experts)))
+        engine.debug.scheduler.release(
+            await engine.debug.scheduler.acquire(spec.layer, range(m.num_experts))
+        )
     await engine.logits([1, 2])
-    assert engine.scheduler.holders() == {RESIDENT: m.num_records}
+    assert engine.debug.scheduler.holders() == {RESIDENT: m.num_records}
 
 
 @pytest.mark.parametrize("slots", [6, None], ids=["streaming", "resident"])
@@ -81,7 +83,7 @@ async def test_cancelled_reply_then_next_turn_equals_a_fresh_conversation(vault,
             if n == 3:
                 break  # cancel the reply after 3 tokens
         assert conv.messages[-1]["role"] == "assistant"  # the partial reply is kept
-        assert (engine.runner.built_ahead > 0) == (slots is None)
+        assert (engine.debug.runner.built_ahead > 0) == (slots is None)
         path = await conv.save(tmp_path / "chat")
         got = await conv.next_logits("Go on.")
         fresh = engine.conversation()
@@ -89,7 +91,7 @@ async def test_cancelled_reply_then_next_turn_equals_a_fresh_conversation(vault,
         assert np.array_equal(got, await fresh.next_logits("Go on."))
         loaded = await engine.load_conversation(path)
         assert np.array_equal(got, await loaded.next_logits("Go on."))
-        assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
+        assert set(engine.debug.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
 
 
 async def test_save_load_fork(vault, tmp_path):

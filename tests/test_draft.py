@@ -247,7 +247,7 @@ async def generate(path, ids, n, **options) -> tuple[list[int], dict]:
             async for e in engine.generate(ids, max_tokens=n, stop_at_eos=False)
             if e.token is not None
         ]
-        d = engine.runner.drafting
+        d = engine.debug.runner.drafting
         return out, (d.stats.to_json() if d is not None else {})
 
 
@@ -286,19 +286,19 @@ async def test_a_verify_pass_asks_for_each_needed_expert_once(vault):
     """Per MoE layer, the verify pass requests the union of its tokens' experts (each a
     hit or a read), not one request per token's expert."""
     async with Engine.open(vault.path, slots=16, lookahead=False, draft="ngram") as engine:
-        runner, sched = engine.runner, engine.scheduler
+        runner, sched = engine.debug.runner, engine.debug.scheduler
 
         def prefilled():
             return runner.start([3, 17, 40, 9, 22, 61, 5, 12], SamplingParams())
 
-        seq = await engine.compute.run(prefilled)
+        seq = await engine.debug.compute.run(prefilled)
         routed: list[tuple[int, np.ndarray]] = []
-        engine.tracer.observers.on_routing = lambda layer, idx: routed.append((layer, idx))
+        engine.debug.tracer.observers.on_routing = lambda layer, idx: routed.append((layer, idx))
         before = sched.stats.hits + sched.stats.misses
         read_before = sched.stats.bytes_read()
-        out = await engine.compute.run(runner.verify, seq, [33, 34, 35, 36])
+        out = await engine.debug.compute.run(runner.verify, seq, [33, 34, 35, 36])
         asked = sched.stats.hits + sched.stats.misses - before
-        engine.tracer.observers.on_routing = None
+        engine.debug.tracer.observers.on_routing = None
         assert out and all(idx.shape[0] == 5 for _, idx in routed)  # one call of 5 tokens
         union = sum(len(np.unique(idx)) for _, idx in routed)
         per_token = sum(len(np.unique(row)) for _, idx in routed for row in idx)
@@ -342,7 +342,7 @@ async def test_drafting_that_does_not_pay_is_switched_off(vault):
     want, _ = await generate(vault.path, ids, 40)
     async with Engine.open(vault.path, draft="ngram") as engine:
         wrong = Drafting(drafter=WrongDrafter([*ids, *want]), tokens=3, clock=Ticks())
-        engine.runner.drafting = wrong  # the engine's step_draft drafts with it
+        engine.debug.runner.drafting = wrong  # the engine's step_draft drafts with it
         got = [
             e.token
             async for e in engine.generate(ids, max_tokens=40, stop_at_eos=False)
@@ -364,7 +364,7 @@ async def test_drafting_that_pays_stays_on(vault):
     truth = [*ids, *want]
     async with Engine.open(vault.path, draft="ngram") as engine:
         right = Drafting(drafter=RightDrafter(truth), tokens=3, clock=Ticks())
-        engine.runner.drafting = right
+        engine.debug.runner.drafting = right
         got = [
             e.token
             async for e in engine.generate(ids, max_tokens=40, stop_at_eos=False)

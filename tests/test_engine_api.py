@@ -94,7 +94,7 @@ async def test_breaking_out_leaves_the_engine_usable(vault):
         assert np.array_equal(await engine.logits(prompt), expected_logits)
         tokens, _, _ = await collect(engine, prompt, max_tokens=8, stop_at_eos=False)
         assert tokens == expected
-        assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
+        assert set(engine.debug.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
 
 
 @pytest.mark.asyncio
@@ -116,7 +116,7 @@ async def test_cancelling_the_task_leaves_the_engine_usable(vault):
             await task
         tokens, _, _ = await collect(engine, prompt, max_tokens=6, stop_at_eos=False)
         assert tokens == expected
-        engine.scheduler.check_invariants()
+        engine.debug.scheduler.check_invariants()
 
 
 @pytest.mark.asyncio
@@ -244,11 +244,11 @@ async def test_partly_resident_layers_compute_the_same(vault):
     # 20 slots for 3 layers x 8 experts: LRU keeps part of each layer between chunks.
     async with Engine.open(vault.path, slots=20) as engine:
         await engine.logits(prompt[:40])  # leave some experts behind
-        engine.tracer.counters.calls.clear()
+        engine.debug.tracer.counters.calls.clear()
         assert np.array_equal(await engine.logits(prompt), expected)
         mixed = [
             t
-            for t in engine.tracer.counters.calls
+            for t in engine.debug.tracer.counters.calls
             if t.waves == 1 and 0 < t.resident < t.unique_experts
         ]
         assert mixed, "no layer was partly resident: the overlapped path was not exercised"
@@ -265,18 +265,20 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
     from smoe.sched.types import Priority
 
     async def decode_logits(engine):
-        seq = await engine.compute.run(engine.runner.start, list(range(10, 40)), SamplingParams())
+        seq = await engine.debug.compute.run(
+            engine.debug.runner.start, list(range(10, 40)), SamplingParams()
+        )
         steps = []
         for _ in range(12):
 
             def one():
-                engine.runner._phase(1)
-                y = engine.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+                engine.debug.runner._phase(1)
+                y = engine.debug.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
                 out = np.array(y[0, -1])
                 seq.tokens.append(int(out.argmax()))
                 return out
 
-            steps.append(await engine.compute.run(one))
+            steps.append(await engine.debug.compute.run(one))
         return steps
 
     async with Engine.open(vault.path, slots=slots) as plain:

@@ -112,16 +112,16 @@ async def engine_decode(
     runs (the last token through the streamed model on the sequence's cache), on the compute
     thread. The next token is ``forced`` (the reference's), so both sides see the same
     sequence even if they disagree. Returns (logits per step, the engine's own greedy picks)."""
-    seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+    seq = await engine.debug.compute.run(engine.debug.runner.start, prompt, SamplingParams())
 
     def step() -> mx.array:
-        y = engine.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)[0, -1]
+        y = engine.debug.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)[0, -1]
         mx.eval(y)
         return y
 
     logits, picks = [], []
     for token in forced:
-        y = await engine.compute.run(step)
+        y = await engine.debug.compute.run(step)
         logits.append(np.array(y.astype(mx.float32)))  # (bfloat16 on a GPU)
         picks.append(greedy(y))
         seq.tokens.append(token)
@@ -205,7 +205,7 @@ async def test_every_memory_budget_gives_the_same_bits(quantized):
         async with Engine.open(vault.path, **opts) as engine:
             assert engine.stats().ring.slots == expected_slots[name]
             assert np.array_equal(await engine.logits(prompt), want), name
-            waves = max(t.waves for t in engine.tracer.counters.calls)
+            waves = max(t.waves for t in engine.debug.tracer.counters.calls)
             if name == "minimum":
                 assert waves > 1, "the minimal ring must split MoE layers into waves"
             else:
@@ -287,10 +287,10 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
         for slots in (5, 12):
             log: list = []
             async with Engine.open(vault.path, slots=slots, workers=4) as engine:
-                shuffled = engine.scheduler.wrap_backend(
+                shuffled = engine.debug.scheduler.wrap_backend(
                     functools.partial(ShuffledReads, seed=seed, log=log)
                 )
-                engine.tracer.observers.on_routing = log_routing(log)
+                engine.debug.tracer.observers.on_routing = log_routing(log)
                 assert np.array_equal(await engine.logits(prompt), want), (seed, slots)
                 step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
                 for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
@@ -298,7 +298,7 @@ async def test_read_completion_order_does_not_change_the_bits(quantized):
                 assert shuffled.max_in_flight > 1
                 assert engine.stats().scheduler.io_errors == 0
                 reordered += shuffled.finished != shuffled.started
-                waves += sum(t.waves > 1 for t in engine.tracer.counters.calls)
+                waves += sum(t.waves > 1 for t in engine.debug.tracer.counters.calls)
             for _, idx, reads in calls_and_reads(log):
                 partial += 0 < len(reads) < len(np.unique(idx))
     assert reordered, "the wrapper never made reads complete out of order"
@@ -432,10 +432,10 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
     """engine.logits(prompt) on a fresh engine; returns (scheduler stats, traces, calls)."""
     log: list = []
     async with Engine.open(vault.path, **options) as engine:
-        engine.scheduler.wrap_backend(lambda inner: RecordingReads(inner, log))
-        engine.tracer.observers.on_routing = log_routing(log)
+        engine.debug.scheduler.wrap_backend(lambda inner: RecordingReads(inner, log))
+        engine.debug.tracer.observers.on_routing = log_routing(log)
         await engine.logits(prompt)
-        stats, traces = engine.stats().scheduler, engine.tracer.counters.calls
+        stats, traces = engine.stats().scheduler, engine.debug.tracer.counters.calls
     calls = calls_and_reads(log)
     assert len(calls) == len(traces) and stats.io_errors == 0
     for (layer, idx, reads), trace in zip(calls, traces, strict=True):
@@ -490,7 +490,9 @@ async def test_whole_layer_mode_used_on_gpus_is_exact_too(quantized):
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, 8)
     m = vault.manifest
     async with Engine.open(vault.path, slots=m.num_records // 2) as engine:
-        modules = [x for x in engine.runner.model.modules() if isinstance(x, StreamingExperts)]
+        modules = [
+            x for x in engine.debug.runner.model.modules() if isinstance(x, StreamingExperts)
+        ]
         assert modules and all(x.overlap for x in modules)  # the CPU default
         for x in modules:
             x.overlap = False
@@ -518,13 +520,13 @@ async def test_the_staged_ring_is_bit_identical_at_every_budget_under_shuffled_r
     ref_tokens, ref_step_logits = reference_decode(ref, prompt, DECODE_STEPS)
     for seed, slots in enumerate((top_k_of(vault), m.num_records // 2, m.num_records)):
         async with Engine.open(vault.path, slots=slots, ring="staged") as engine:
-            assert engine.ring.kind == "staged" and engine.stats().ring.slots == slots
-            engine.scheduler.wrap_backend(functools.partial(ShuffledReads, seed=seed, log=[]))
+            assert engine.debug.ring.kind == "staged" and engine.stats().ring.slots == slots
+            engine.debug.scheduler.wrap_backend(functools.partial(ShuffledReads, seed=seed, log=[]))
             assert np.array_equal(await engine.logits(prompt), want), slots
             step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
             for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
                 assert np.array_equal(a, b), (slots, i)
-            assert engine.ring.commits > 0 and engine.stats().scheduler.io_errors == 0
+            assert engine.debug.ring.commits > 0 and engine.stats().scheduler.io_errors == 0
 
 
 @pytest.mark.asyncio
@@ -542,7 +544,7 @@ async def test_banks_of_the_staged_ring_change_no_bit(quantized):
         async with Engine.open(
             vault.path, slots=slots, ring="staged", bank_bytes=per_bank * per_slot
         ) as engine:
-            assert len(engine.ring.banks()) == -(-slots // per_bank)
+            assert len(engine.debug.ring.banks()) == -(-slots // per_bank)
             assert np.array_equal(await engine.logits(prompt), want), (slots, per_bank)
             step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
             for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
@@ -562,7 +564,7 @@ async def test_bfloat16_scales_are_converted_once_and_compute_the_same_bits(hf_d
     ref_tokens, _ = reference_decode(ref, prompt, DECODE_STEPS)
     for slots in (top_k_of(vault), vault.manifest.num_records):
         async with Engine.open(vault.path, slots=slots) as engine:
-            assert engine.ring.kind == "staged"
+            assert engine.debug.ring.kind == "staged"
             assert np.array_equal(await engine.logits(prompt), want), slots
             assert await engine_generate(engine, prompt, DECODE_STEPS) == ref_tokens
 
@@ -580,10 +582,12 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
     async with Engine.open(vault.path, ring=ring) as engine:
         assert engine.stats().ring.slots == m.num_records
         for spec in m.layers:
-            engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(8)))
+            engine.debug.scheduler.release(
+                await engine.debug.scheduler.acquire(spec.layer, range(8))
+            )
         assert await engine.logits(prompt[:3]) is not None  # the next reservation pins all
         assert all(engine.slots.resident_table(s.layer) is not None for s in m.layers)
-        assert engine.scheduler.holders() == {RESIDENT: m.num_records}
+        assert engine.debug.scheduler.holders() == {RESIDENT: m.num_records}
         assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
         step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
         for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):
@@ -595,7 +599,7 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
             tokens += [ev.token] if ev.token is not None else []
         assert tokens == ref_tokens
         # decode was built a step ahead (mlx-lm's overlap), all but the last step
-        assert engine.runner.built_ahead == DECODE_STEPS - 1
+        assert engine.debug.runner.built_ahead == DECODE_STEPS - 1
         assert stats.hit_rate == 1.0 and stats.hits > 0 and stats.bytes_read == 0
         assert engine.stats().scheduler.misses == reads
 
@@ -612,12 +616,16 @@ async def test_a_whole_model_ring_in_banks_keeps_each_layer_in_one_bank(quantize
     async with Engine.open(
         vault.path, ring="staged", bank_bytes=(m.num_experts + 3) * per_slot
     ) as engine:
-        assert engine.ring.bank_slots == m.num_experts  # rounded down to whole layers
+        assert engine.debug.ring.bank_slots == m.num_experts  # rounded down to whole layers
         for spec in m.layers:
-            engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(8)))
+            engine.debug.scheduler.release(
+                await engine.debug.scheduler.acquire(spec.layer, range(8))
+            )
         for spec in m.layers:
             for e in range(m.num_experts):
-                assert engine.scheduler.slot_of((spec.layer, e)) == m.record_index(spec.layer, e)
+                assert engine.debug.scheduler.slot_of((spec.layer, e)) == m.record_index(
+                    spec.layer, e
+                )
         assert await engine.logits(prompt[:3]) is not None
         tables = {s.layer: engine.slots.resident_table(s.layer) for s in m.layers}
         assert sorted(bank for bank, _ in tables.values()) == [0, 1]
@@ -640,18 +648,18 @@ async def test_resident_routing_is_counted_as_the_streaming_path_counts_it(quant
         async with Engine.open(copy.path, slots=slots) as engine:
             if name == "resident":
                 for spec in m.layers:
-                    engine.scheduler.release(
-                        await engine.scheduler.acquire(spec.layer, range(m.num_experts))
+                    engine.debug.scheduler.release(
+                        await engine.debug.scheduler.acquire(spec.layer, range(m.num_experts))
                     )
-            engine.popularity.session[:] = 0
-            before = engine.tracer.counters.unique_experts
-            engine.tracer.counters.calls.clear()
+            engine.debug.popularity.session[:] = 0
+            before = engine.debug.tracer.counters.unique_experts
+            engine.debug.tracer.counters.calls.clear()
             await engine_generate(engine, prompt, DECODE_STEPS)
-            assert (engine.runner.built_ahead > 0) == (name == "resident")
+            assert (engine.debug.runner.built_ahead > 0) == (name == "resident")
             counted[name] = (
-                engine.popularity.session.copy(),
-                engine.tracer.counters.unique_experts - before,
-                [(t.layer, t.tokens, t.unique_experts) for t in engine.tracer.counters.calls],
+                engine.debug.popularity.session.copy(),
+                engine.debug.tracer.counters.unique_experts - before,
+                [(t.layer, t.tokens, t.unique_experts) for t in engine.debug.tracer.counters.calls],
             )
     (pop_s, uniq_s, calls_s), (pop_r, uniq_r, calls_r) = counted["streaming"], counted["resident"]
     assert pop_s.sum() > 0 and np.array_equal(pop_s, pop_r)

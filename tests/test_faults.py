@@ -133,11 +133,11 @@ def check_clean(error: SmoeError) -> None:
 
 async def check_usable(engine: Engine, reference: dict[int, list[int]]) -> None:
     """Nothing is pinned or inconsistent, and a fault-free request gets its tokens."""
-    engine.scheduler.check_invariants()
-    assert pins_left(engine.scheduler) == {}
+    engine.debug.scheduler.check_invariants()
+    assert pins_left(engine.debug.scheduler) == {}
     assert await asyncio.wait_for(tokens_of(engine, PROMPTS[0]), SAFETY) == reference[0]
-    engine.scheduler.check_invariants()
-    assert pins_left(engine.scheduler) == {}
+    engine.debug.scheduler.check_invariants()
+    assert pins_left(engine.debug.scheduler) == {}
 
 
 @pytest.mark.parametrize(("workers", "ring"), [(1, "unified"), (2, "unified"), (2, "staged")])
@@ -210,7 +210,7 @@ async def test_a_failed_read_releases_each_pin_exactly_once(vault, monkeypatch, 
     by the expert module's ``finally`` (an AssertionError in the loop's log; under
     python -O negative pins and a hang). Each pin is now released once, by its holder."""
     async with Engine.open(vault.path, slots=8, workers=1, lookahead=False) as engine:
-        for module in engine.runner.model.modules():
+        for module in engine.debug.runner.model.modules():
             if isinstance(module, StreamingExperts):
                 module.overlap = overlap  # False: the GPU's whole-layer path, on the CPU
         reference = {0: await tokens_of(engine, PROMPTS[0])}
@@ -232,7 +232,7 @@ async def test_a_failed_read_releases_each_pin_exactly_once(vault, monkeypatch, 
         await check_usable(engine, reference)
         stats = engine.stats().scheduler  # unpins are counted as asked, before any check
         assert stats.pins > 0 and stats.unpins == stats.pins  # as many releases as pins
-        assert pins_left(engine.scheduler) == {}
+        assert pins_left(engine.debug.scheduler) == {}
     assert not [r for r in caplog.records if "released more often" in r.getMessage()]
 
 
@@ -268,11 +268,11 @@ async def test_a_flipped_byte_is_a_clean_checksum_error_not_a_computation(vault,
             assert isinstance(cause, RecordChecksumError)
             assert cause.record in first_layer and cause.key == m.record_key(cause.record)
             assert m.checksum_algorithm in str(got) and "corrupt" in str(got)
-            engine.scheduler.check_invariants()
-            assert pins_left(engine.scheduler) == {}
-        assert engine.reader.rereads >= 2  # each bad record was read twice before failing
+            engine.debug.scheduler.check_invariants()
+            assert pins_left(engine.debug.scheduler) == {}
+        assert engine.debug.reader.rereads >= 2  # each bad record was read twice before failing
         if ring == "staged":
-            assert engine.ring.pending() == 0  # nothing unverified was left to commit
+            assert engine.debug.ring.pending() == 0  # nothing unverified was left to commit
 
 
 def test_cli_generate_on_a_corrupt_vault_prints_one_line_and_exits_2(vault, tmp_path, run_cli):
@@ -350,8 +350,8 @@ async def test_faults_during_a_batched_server_run_give_the_text_or_a_clean_503(v
                     assert "\n" not in message and "Traceback" not in message
                     tally["clean 503"] += 1
             tally.update(faults.injected)
-            engine.scheduler.check_invariants()
-            assert pins_left(engine.scheduler) == {}
+            engine.debug.scheduler.check_invariants()
+            assert pins_left(engine.debug.scheduler) == {}
             status, body = await complete(http, srv.base, PROMPTS[0])
             assert status == 200 and body["choices"][0]["text"] == reference[0]
         monkeypatch.undo()

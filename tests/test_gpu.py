@@ -134,7 +134,7 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
     wrong = {}
     for name, slots in rings.items():
         async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
-            assert engine.ring.kind == "staged" and engine.dtype == mx.bfloat16
+            assert engine.debug.ring.kind == "staged" and engine.dtype == mx.bfloat16
             tokens = await generate(engine, prompt, STEPS)
             got, picks = await engine_decode(engine, prompt, want_tokens)
             diffs = [float(np.abs(a - b).max()) for a, b in zip(got, want_logits, strict=True)]
@@ -159,7 +159,7 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
                     "steps_bit_identical": f"{same_bits}/{STEPS}",
                     "max_logit_difference": max(diffs),
                     "logit_scale": float(np.abs(np.stack(want_logits)).max()),
-                    "commits": engine.ring.commits,
+                    "commits": engine.debug.ring.commits,
                 }
             )
             if tokens != want_tokens:
@@ -173,10 +173,10 @@ async def test_greedy_tokens_equal_mlx_lm_at_every_ring(arch, bits, models):
                         "arch": arch,
                         "bits": bits,
                         "tokens_equal": resident == want_tokens,
-                        "built_ahead": engine.runner.built_ahead,
+                        "built_ahead": engine.debug.runner.built_ahead,
                     }
                 )
-                if resident != want_tokens or not engine.runner.built_ahead:
+                if resident != want_tokens or not engine.debug.runner.built_ahead:
                     wrong["resident"] = resident
     assert not wrong, (wrong, want_tokens)  # every ring is measured and reported first
 
@@ -194,11 +194,11 @@ async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models
         want = await generate(engine, prompt, n)
     top_k = m.shape.experts_per_token
     async with Engine.open(vault.path, slots=top_k, workers=4, **ENGINE) as engine:
-        shuffled = engine.scheduler.wrap_backend(
+        shuffled = engine.debug.scheduler.wrap_backend(
             lambda inner: ShuffledReads(inner, 0, [], slow=0.0)
         )
         got = await generate(engine, prompt, n)
-        commits = engine.ring.commits
+        commits = engine.debug.ring.commits
     wrong = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
     report(
         {
@@ -298,13 +298,13 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, ring, mode
         if ring == "resident":
             await fill_ring(engine)
         solo = [await generate(engine, p, 24) for p in prompts]
-        built = engine.runner.built_ahead
+        built = engine.debug.runner.built_ahead
         async with engine.exclusive():  # all eight are queued before the first is admitted
             runs = [asyncio.ensure_future(generate(engine, p, 24)) for p in prompts]
             await asyncio.sleep(0)
         together = await asyncio.gather(*runs)
-        rows_per_pass = engine.batcher.step_rows / max(1, engine.batcher.steps)
-        built_ahead = engine.runner.built_ahead - built
+        rows_per_pass = engine.debug.batcher.step_rows / max(1, engine.debug.batcher.steps)
+        built_ahead = engine.debug.runner.built_ahead - built
         solo_logits = [await solo_decode(engine, p, 8) for p in prompts]
         batch_logits = await batched_decode(engine, prompts, 8)
     same = sum(
@@ -350,8 +350,8 @@ async def test_drafts_equal_plain_decode(arch, bits, models):
         plain = await generate(engine, prompt, STEPS)
     async with Engine.open(vault.path, slots=slots, draft="ngram", **ENGINE) as engine:
         drafted = await generate(engine, prompt, STEPS)
-        stats = engine.runner.drafting.stats.to_json()
-        runner = engine.runner
+        stats = engine.debug.runner.drafting.stats.to_json()
+        runner = engine.debug.runner
 
         def oracle() -> list[int]:
             seq = runner.start(prompt, SamplingParams())
@@ -360,7 +360,7 @@ async def test_drafts_equal_plain_decode(arch, bits, models):
                 runner.verify(seq, plain[done : done + 4])
             return seq.tokens[len(prompt) : len(prompt) + STEPS]
 
-        by_oracle = await engine.compute.run(oracle)
+        by_oracle = await engine.debug.compute.run(oracle)
     report(
         {
             "test": "drafts_vs_plain",
@@ -396,15 +396,15 @@ async def test_eight_requests_of_a_thousand_tokens_at_the_minimum_ring(models):
     async with Engine.open(
         vault.path, slots=m.shape.experts_per_token, workers=4, **ENGINE
     ) as engine:
-        shuffled = engine.scheduler.wrap_backend(
+        shuffled = engine.debug.scheduler.wrap_backend(
             lambda inner: ShuffledReads(inner, 0, [], slow=0.0)
         )
         async with engine.exclusive():
             runs = [asyncio.ensure_future(generate(engine, p, n)) for p in prompts]
             await asyncio.sleep(0)
         got = await asyncio.gather(*runs)
-        commits = engine.ring.commits
-        rows = engine.batcher.step_rows / max(1, engine.batcher.steps)
+        commits = engine.debug.ring.commits
+        rows = engine.debug.batcher.step_rows / max(1, engine.debug.batcher.steps)
     wrong = sum(a != b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     report(
         {
@@ -433,7 +433,7 @@ async def test_a_closed_engine_gives_its_ring_back_to_the_driver(tmp_path):
     engine = Engine.open(vault.path, slots=vault.manifest.num_records, **ENGINE)
     async with engine:
         await generate(engine, [5, 6, 7, 8], 4)
-        ring, during = engine.ring.nbytes, free()
+        ring, during = engine.debug.ring.nbytes, free()
     after = free()
     report(
         {"test": "closed engine", "ring": ring, "taken": before - during, "kept": before - after}

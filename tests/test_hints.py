@@ -48,7 +48,7 @@ async def _run(vault, policy: str, *, tokens: int = 40, lookahead: bool = False,
             if event.token is not None:
                 out.append(event.token)
         archive = engine.stop_recording()
-        return logits, out, archive, engine.stats().scheduler, engine.tracer
+        return logits, out, archive, engine.stats().scheduler, engine.debug.tracer
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour

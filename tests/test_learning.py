@@ -30,14 +30,15 @@ def vault(tmp_path_factory):
 
 async def drain(engine):
     """Wait for the pre-warm reads (real I/O threads: poll the scheduler)."""
-    while engine.scheduler.in_flight or engine.scheduler.queue_depth(Priority.SPECULATIVE):  # noqa: ASYNC110
+    sched = engine.debug.scheduler
+    while sched.in_flight or sched.queue_depth(Priority.SPECULATIVE):  # noqa: ASYNC110
         await asyncio.sleep(0.005)
 
 
 async def test_popularity_is_kept_per_vault_and_merged(vault, tmp_path):
     async with Engine.open(vault.path) as engine:
         await engine.logits(list(range(5, 70)))
-        first = engine.popularity.session.sum()
+        first = engine.debug.popularity.session.sum()
     assert first > 0
     saved = Popularity(vault).counts
     assert saved.sum() == first
@@ -62,8 +63,8 @@ async def test_prewarm_fills_only_empty_slots_and_changes_no_bit(vault):
         queued = engine.prewarm()
         assert queued == 10  # an empty ring: every slot gets a hot expert
         await drain(engine)
-        hot = engine.popularity.hottest(10)
-        assert all(engine.scheduler.state_of(k) is SlotState.READY for k in hot)
+        hot = engine.debug.popularity.hottest(10)
+        assert all(engine.debug.scheduler.state_of(k) is SlotState.READY for k in hot)
         assert engine.prewarm() == 0  # the ring is full: pre-warm never evicts
         assert np.array_equal(await engine.logits(prompt), expected)
 
@@ -77,14 +78,14 @@ async def test_prewarm_of_a_ring_that_holds_the_model_makes_it_resident(vault):
     async with Engine.open(vault.path, slots=every) as engine:
         cold = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
         assert engine.stats().ring.filled < every  # some experts were never read: streamed
-        assert engine.runner.built_ahead == 0
+        assert engine.debug.runner.built_ahead == 0
     (vault.path / "stats" / "popularity.npz").unlink()  # no history to go by
     async with Engine.open(vault.path, slots=every) as engine:
         assert engine.prewarm() == every
         await drain(engine)
         assert engine.stats().ring.filled == every
         warm = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
-        assert engine.runner.resident() and engine.runner.built_ahead > 0
+        assert engine.debug.runner.resident() and engine.debug.runner.built_ahead > 0
         assert warm == cold
 
 
@@ -93,23 +94,23 @@ async def test_demand_drops_queued_prewarm(vault):
         await engine.logits(list(range(5, 40)))
     async with Engine.open(vault.path, slots=10, workers=1) as engine:
         engine.prewarm()
-        assert engine.scheduler.queue_depth(Priority.SPECULATIVE) > 0
+        assert engine.debug.scheduler.queue_depth(Priority.SPECULATIVE) > 0
         task = asyncio.get_running_loop().create_task(engine.logits([7, 8, 9]))
         await asyncio.sleep(0)  # let the request start
         await task
         # the request dropped the bets that had not started (at most `workers` ran)
         cancelled = engine.stats().scheduler.by_priority[Priority.SPECULATIVE].cancelled
         assert cancelled > 0
-        engine.scheduler.check_invariants()
+        engine.debug.scheduler.check_invariants()
 
 
 async def test_hot_policy_pins_the_history(vault):
     async with Engine.open(vault.path) as engine:
         await engine.logits(list(range(5, 70)))
     async with Engine.open(vault.path, slots=8, policy="hot") as engine:
-        assert len(engine.scheduler.policy.hot) == 4
+        assert len(engine.debug.scheduler.policy.hot) == 4
         await engine.logits(list(range(5, 30)))
-        engine.scheduler.check_invariants()
+        engine.debug.scheduler.check_invariants()
 
 
 # ------------------------------------------------------------------ robustness (issue 13)
@@ -181,7 +182,7 @@ async def test_engine_opens_a_vault_whose_popularity_is_truncated(shared_vault, 
         warnings.simplefilter("always")
         async with Engine.open(vault.path) as engine:
             await engine.logits(list(range(5, 30)))
-            counted = engine.popularity.session.sum()
+            counted = engine.debug.popularity.session.sum()
     assert [str(w.message) for w in got if "popularity" in str(w.message)] == [
         f"ignoring expert popularity {vault.stats_dir / 'popularity.npz'}: unreadable "
         "(BadZipFile: File is not a zip file); moved to popularity.npz.corrupt; counting afresh"

@@ -43,7 +43,7 @@ async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(tmp
             await decode(500, seed)
         gc.collect()
         after = rss_bytes()
-        tracer = engine.tracer
+        tracer = engine.debug.tracer
         assert len(tracer.counters.calls) == 1000 < 2000 * layers  # the oldest were dropped
         assert not tracer.step.deferred and len(tracer.step.gates) <= layers
         assert len(tracer.step.predicted) <= layers

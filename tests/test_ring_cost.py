@@ -37,19 +37,19 @@ async def step_bytes(vault, slots: int) -> int:
     """Bytes MLX allocates during one warm decode step beyond what was resident before."""
     prompt = list(range(2, 18))
     async with Engine.open(vault.path, slots=slots, lookahead=False) as engine:
-        seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+        seq = await engine.debug.compute.run(engine.debug.runner.start, prompt, SamplingParams())
         for _ in range(3):  # warm: the ring holds what it can, kernels are compiled
-            await engine.compute.run(engine.runner.step, seq)
+            await engine.debug.compute.run(engine.debug.runner.step, seq)
 
         def measured_step() -> int:
             mx.synchronize()
             before = mx.get_active_memory()
             mx.reset_peak_memory()
-            engine.runner.step(seq)
+            engine.debug.runner.step(seq)
             mx.synchronize()
             return int(mx.get_peak_memory() - before)
 
-        return min([await engine.compute.run(measured_step) for _ in range(3)])
+        return min([await engine.debug.compute.run(measured_step) for _ in range(3)])
 
 
 def float_ring_bytes(vault, slots: int) -> int:

@@ -124,9 +124,9 @@ def test_kv_room_counts_every_sequence_of_the_context(vaults):
 @pytest.mark.asyncio
 async def test_the_engine_builds_the_planned_ring(vaults):
     async with Engine.open(vaults["bf16"].path, slots=3) as engine:
-        assert engine.ring.kind == "staged" and engine.stats().ring.slots == 3
+        assert engine.debug.ring.kind == "staged" and engine.stats().ring.slots == 3
     async with Engine.open(vaults["f32"].path, slots=3) as engine:
-        assert engine.ring.kind == "unified"
+        assert engine.debug.ring.kind == "unified"
     engine = Engine.open(vaults["bf16"].path, ring="unified")
     with pytest.raises(SmoeError, match="--ring staged"):
         await engine.__aenter__()
@@ -166,7 +166,7 @@ async def test_a_closed_engine_frees_its_staged_ring_while_still_referenced(vaul
         await engine.logits([5, 6, 7, 8])
         ring_bytes = engine.stats().ring.nbytes
         assert mx.get_active_memory() - before >= ring_bytes
-    assert engine.ring.banks() == []
+    assert engine.debug.ring.banks() == []
     assert mx.get_active_memory() - before < ring_bytes // 4  # the backbone went too
 
 

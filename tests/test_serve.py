@@ -147,9 +147,9 @@ async def test_disconnect_mid_stream_frees_the_engine(vault):
             await r.content.readline()  # the first event arrived: generation runs
         # the connection is closed: the handler is cancelled and the request leaves the
         # batch at the next step, pinning nothing
-        await asyncio.wait_for(engine.batcher.wait_idle(), timeout=5)
-        assert not engine.batcher.active
-        assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
+        await asyncio.wait_for(engine.debug.batcher.wait_idle(), timeout=5)
+        assert not engine.debug.batcher.active
+        assert set(engine.debug.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
         r = await srv.client().chat.completions.create(
             model="smoe", messages=MESSAGES, max_tokens=2
         )
@@ -194,7 +194,7 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, caplog):
         Running(engine, ServerOptions()) as srv,
         aiohttp.ClientSession() as http,
     ):
-        disk = engine.scheduler.wrap_backend(FailingReads)
+        disk = engine.debug.scheduler.wrap_backend(FailingReads)
         disk.failing = True
         body = {"prompt": [5, 6, 7], "max_tokens": 3}
         async with http.post(srv.base + "/v1/completions", json=body) as r:
@@ -223,7 +223,7 @@ async def test_an_idle_server_prewarms_the_ring(vault, monkeypatch, prewarm):
         monkeypatch.setattr(engine, "prewarm", lambda: calls.append("prewarm") or 0)
         async with Running(engine, ServerOptions(prewarm_when_idle=prewarm)) as srv:
             await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
-            await engine.batcher.wait_idle()
+            await engine.debug.batcher.wait_idle()
         assert calls == (["prewarm"] * 2 if prewarm else [])  # at start, and when idle
 
 
@@ -259,7 +259,7 @@ async def test_stop_strings_cut_the_reply_streaming_or_not(vault):
         chunks = [ch.choices[0] async for ch in stream if ch.choices]
         assert "".join(ch.text for ch in chunks) == want
         assert chunks[-1].finish_reason == "stop"
-        await engine.batcher.wait_idle()  # the stopped request left the batch
+        await engine.debug.batcher.wait_idle()  # the stopped request left the batch
 
 
 async def test_text_parts_penalties_and_unsupported_fields(vault):
@@ -306,9 +306,9 @@ async def test_prefix_cache_keeps_a_bounded_number_of_bytes(vault):
     from smoe.serve.prefix import PrefixCache
 
     async with Engine.open(vault.path) as engine:
-        r = engine.runner
+        r = engine.debug.runner
         seqs = [
-            await engine.compute.run(r.start, list(range(5 + i, 45 + i)), SamplingParams())
+            await engine.debug.compute.run(r.start, list(range(5 + i, 45 + i)), SamplingParams())
             for i in range(3)
         ]
         one = sum(c.nbytes for c in seqs[0].cache)
@@ -355,9 +355,9 @@ async def test_many_clients_some_leaving_early_leave_nothing_behind(vault):
             return r.choices[0].text
 
         got = await asyncio.gather(*(client(i) for i in range(12)))
-        await asyncio.wait_for(engine.batcher.wait_idle(), timeout=30)
-        assert not engine.batcher.active and engine.stats().batch.waiting == 0
-        assert set(engine.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
+        await asyncio.wait_for(engine.debug.batcher.wait_idle(), timeout=30)
+        assert not engine.debug.batcher.active and engine.stats().batch.waiting == 0
+        assert set(engine.debug.scheduler.holders()) <= {RESIDENT}  # no request holds a slot
         for i, text in enumerate(got):
             if text is not None:
                 assert text == solo[i], i
@@ -562,7 +562,7 @@ async def test_a_bug_gets_a_500_without_internals_and_one_traceback(vault, monke
         Running(engine, ServerOptions()) as srv,
         aiohttp.ClientSession() as http,
     ):
-        real = engine.runner.prepare
+        real = engine.debug.runner.prepare
 
         def raising(failure: Exception):
             def broken(*args):
@@ -575,7 +575,7 @@ async def test_a_bug_gets_a_500_without_internals_and_one_traceback(vault, monke
             (ZeroDivisionError("secret internals"), 500, "internal_error"),
             (VaultError("/secret/path is corrupt"), 503, "service_unavailable"),
         ]:
-            monkeypatch.setattr(engine.runner, "prepare", raising(failure))
+            monkeypatch.setattr(engine.debug.runner, "prepare", raising(failure))
             caplog.clear()
             async with http.post(srv.base + "/v1/completions", json=body) as r:
                 assert r.status == status
@@ -591,7 +591,7 @@ async def test_a_bug_gets_a_500_without_internals_and_one_traceback(vault, monke
                 "secret" in rec.getMessage() or rec.exc_info for rec in logged
             )
             assert all(bool(rec.exc_info) == (status == 500) for rec in logged)
-        monkeypatch.setattr(engine.runner, "prepare", real)
+        monkeypatch.setattr(engine.debug.runner, "prepare", real)
         ok = await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
         assert ok.choices
 

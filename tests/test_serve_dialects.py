@@ -427,7 +427,7 @@ async def test_a_failing_generation_is_reported_in_each_dialect(vault):
         Running(engine, ServerOptions()) as srv,
         aiohttp.ClientSession() as http,
     ):
-        disk = engine.scheduler.wrap_backend(FailingReads)
+        disk = engine.debug.scheduler.wrap_backend(FailingReads)
         disk.failing = True
         user = [{"role": "user", "content": USER}]
         anthropic_body = {"max_tokens": 3, "messages": user}

@@ -548,9 +548,9 @@ async def test_prefix_cache_with_replies_stays_bounded(vault):
     """Capacity and bytes bound the replies kept too (their text counts), and a reply
     whose sequence is gone is never continued."""
     async with Engine.open(vault.path) as engine:
-        r = engine.runner
+        r = engine.debug.runner
         seqs = [
-            await engine.compute.run(r.start, list(range(5 + i, 45 + i)), SamplingParams())
+            await engine.debug.compute.run(r.start, list(range(5 + i, 45 + i)), SamplingParams())
             for i in range(3)
         ]
         one = sum(c.nbytes for c in seqs[0].cache)

@@ -104,13 +104,13 @@ def vaults(tmp_path_factory):
 
 async def _batched_calls(engine: Engine, calls: Calls, n: int = 4) -> dict[str, list[int]]:
     """The calls of one batched decode pass of ``n`` sequences (prefill not recorded)."""
-    runner = engine.runner
+    runner = engine.debug.runner
     ps = [np.random.default_rng(30 + i).integers(2, 256, 3 + 5 * i).tolist() for i in range(n)]
-    seqs = [await engine.compute.run(runner.start, p, SamplingParams()) for p in ps]
+    seqs = [await engine.debug.compute.run(runner.start, p, SamplingParams()) for p in ps]
     calls.rows.clear()
     calls.on = True
     try:
-        await engine.compute.run(runner.next_logits_batch, seqs)
+        await engine.debug.compute.run(runner.next_logits_batch, seqs)
     finally:
         calls.on = False
     return dict(calls.rows)
@@ -163,8 +163,10 @@ async def test_waves_keep_the_tiled_kernel_of_a_top8_call(vaults, monkeypatch):
             calls.rows.clear()
             calls.on = True
             try:
-                seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
-                await engine.compute.run(engine.runner.next_logits, seq)
+                seq = await engine.debug.compute.run(
+                    engine.debug.runner.start, prompt, SamplingParams()
+                )
+                await engine.debug.compute.run(engine.debug.runner.next_logits, seq)
             finally:
                 calls.on = False
             rows = calls.rows["gather_qmm"]
@@ -190,12 +192,14 @@ async def test_a_lone_request_makes_the_same_calls_with_and_without_the_rules(
         every = vault.manifest.num_records
         async with Engine.open(vault.path, slots=every, solo_rows=forced) as engine:
             await fill_ring(engine)
-            seq = await engine.compute.run(engine.runner.start, prompt, SamplingParams())
+            seq = await engine.debug.compute.run(
+                engine.debug.runner.start, prompt, SamplingParams()
+            )
             calls.rows.clear()
             calls.on = True
             try:
                 for _ in range(STEPS):
-                    await engine.compute.run(engine.runner.step, seq)
+                    await engine.debug.compute.run(engine.debug.runner.step, seq)
             finally:
                 calls.on = False
             seen.append((dict(calls.rows), list(seq.tokens)))
@@ -272,7 +276,7 @@ async def test_batched_equals_solo_bit_for_bit_through_the_pieces(arch, hf_dir, 
     top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):
         async with Engine.open(vault.path, solo_rows=True, **ring) as engine:
-            assert engine.runner.batchable and engine.rules is CUDA
+            assert engine.debug.runner.batchable and engine.rules is CUDA
             solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
             batched = await batched_decode(engine, prompts(), STEPS)
         for row in range(len(solo)):
@@ -290,13 +294,13 @@ async def test_drafted_equals_plain_with_attention_one_row_at_a_time(vaults, slo
     vault = vaults(2)
     prompt = [3, 17, 40, 9, 22, 61, 5, 12] * 3
     async with Engine.open(vault.path, slots=slots, solo_rows=True, draft="ngram") as engine:
-        runner = engine.runner
-        plain = await engine.compute.run(runner.start, prompt, SamplingParams())
+        runner = engine.debug.runner
+        plain = await engine.debug.compute.run(runner.start, prompt, SamplingParams())
         want = []
         for _ in range(5):
-            want.append(await engine.compute.run(runner.next_logits, plain))
+            want.append(await engine.debug.compute.run(runner.next_logits, plain))
             plain.tokens.append(int(np.argmax(want[-1])))
-        seq = await engine.compute.run(runner.start, prompt, SamplingParams())
+        seq = await engine.debug.compute.run(runner.start, prompt, SamplingParams())
         draft = plain.tokens[len(prompt) : len(prompt) + 4]  # the right draft: all accepted
 
         def verify_logits():
@@ -307,7 +311,7 @@ async def test_drafted_equals_plain_with_attention_one_row_at_a_time(vaults, slo
                 y = runner.model(mx.array([seq.tokens[-1], *draft])[None], cache=cache)
             return np.array(y[0].astype(mx.float32))
 
-        got = await engine.compute.run(verify_logits)
+        got = await engine.debug.compute.run(verify_logits)
     for j in range(5):
         assert np.array_equal(got[j], want[j]), (j, np.abs(got[j] - want[j]).max())
 

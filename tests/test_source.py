@@ -409,7 +409,7 @@ async def test_one_read_per_expert_where_its_tensors_sit_side_by_side(arch, hf_d
     ]
     async with Engine.open(source, slots=2) as engine:
         await engine.logits(_prompt(8))
-        assert engine.reader.reads == engine.stats().scheduler.misses > 0
+        assert engine.debug.reader.reads == engine.stats().scheduler.misses > 0
 
 
 def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(sources, copy_dir):
@@ -459,7 +459,7 @@ async def test_buffered_reads_give_the_same_bytes(sources):
     got = []
     for direct in (True, False):
         async with Engine.open(folder, slots=2, direct_io=direct) as engine:
-            assert engine.reader.direct is direct
+            assert engine.debug.reader.direct is direct
             got.append(await engine.logits(prompt))
     assert np.array_equal(*got)
 
@@ -501,9 +501,9 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
 
     budget = working(source, "staged") + 60 * 10**6
     async with Engine.open(folder, memory=budget, workers=3, max_batch=1) as engine:
-        kind = engine.ring.kind
+        kind = engine.debug.ring.kind
         assert engine.fit is not None and engine.fit.working == working(source, kind)
-        spare = engine.reader.shards.spare  # what the reader allocated for its threads
+        spare = engine.debug.reader.shards.spare  # what the reader allocated for its threads
         allocated = sum(b.base.nbytes if b.base is not None else b.nbytes for b in spare)
     assert working(source, kind) - working(vault, kind) == bounce_bytes(source, 3) == allocated
 

@@ -25,11 +25,13 @@ async def test_archive_records_exact_routing_and_gate_order(vault, tmp_path):
     prompt = list(range(10, 90))  # 79 prefilled tokens: chunks of 64 and 15
     async with Engine.open(vault.path, slots=4) as engine:
         expected_logits = await engine.logits(prompt)
-        engine.tracer.observers.on_routing = lambda layer, idx: used.append((layer, idx.copy()))
+        engine.debug.tracer.observers.on_routing = lambda layer, idx: used.append(
+            (layer, idx.copy())
+        )
         engine.start_recording(depth=6)
         assert np.array_equal(await engine.logits(prompt), expected_logits)  # no effect
         archive = engine.stop_recording()
-        engine.tracer.observers.on_routing = None
+        engine.debug.tracer.observers.on_routing = None
     k = vault.manifest.shape.experts_per_token
     assert archive.ranks.shape == (len(prompt), len(vault.manifest.layers), 6)
     assert archive.batch.tolist() == [0] * 64 + [1] * 16

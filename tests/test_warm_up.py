@@ -74,7 +74,7 @@ def test_after_a_warm_up_the_first_reply_compiles_nothing(tmp_path):
 async def test_a_warm_up_reads_a_few_tokens_experts_and_counts_no_popularity():
     vault = demo_vault()
     async with Engine.open(vault) as engine:
-        session = engine.popularity.session.copy()
+        session = engine.debug.popularity.session.copy()
         sched = engine.stats().scheduler
         before = sched.bytes_read()
         seconds = await engine.warm_up(temperature=0.7, seed=1)
@@ -83,9 +83,9 @@ async def test_a_warm_up_reads_a_few_tokens_experts_and_counts_no_popularity():
         one_token = m.shape.experts_per_token * len(m.shape.moe_layers) * m.record.stride
         assert seconds > 0
         assert 0 < read <= 3 * one_token  # the prompt is one token repeated
-        assert np.array_equal(engine.popularity.session, session)  # this session's counts
+        assert np.array_equal(engine.debug.popularity.session, session)  # this session's counts
         # the engine answers as before
         out = [
             e.token async for e in engine.generate([5, 17, 99], max_tokens=4) if e.token is not None
         ]
-        assert len(out) == 4 and engine.popularity.session.sum() > session.sum()
+        assert len(out) == 4 and engine.debug.popularity.session.sum() > session.sum()

@@ -48,7 +48,7 @@ from smoe.engine.ring_plan import (
     kernel_rules,
     plan_ring,
 )
-from smoe.engine.stats import BatchStats, EngineStats, QueueStats, RingStats
+from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
 from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io.open import open_reader
 from smoe.io.reader import RecordReader
@@ -418,6 +418,14 @@ class Engine(GroupAPI):
             direct_io=self.reader.direct,
             draft=drafting.stats.to_json() if drafting is not None else None,
         )
+
+    @property
+    def debug(self) -> EngineInternals:
+        """The engine's parts, for tests and benchmarks (EngineInternals: not a stable
+        API); a part not made yet, or gone since close, is None. Each part keeps its own
+        thread rules."""
+        names = [f.name for f in dataclasses.fields(EngineInternals)]
+        return EngineInternals(**{name: getattr(self, name, None) for name in names})
 
     @functools.cached_property
     def _dtype_note(self) -> str:

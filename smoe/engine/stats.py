@@ -58,3 +58,19 @@ class EngineStats:
             "direct_io": self.direct_io,
             "draft": self.draft,
         }
+
+
+@dataclass(frozen=True)
+class EngineInternals:
+    """``Engine.debug``: the engine's parts, for tests and benchmarks that must drive or
+    inspect one directly (a forced ordering, an invariant check, a fault injected). Not a
+    stable API: what a user needs is on Engine itself and in ``Engine.stats()``."""
+
+    scheduler: Any  # smoe.sched.scheduler.ExpertScheduler (event loop only)
+    runner: Any  # smoe.compute.runner.Runner (compute thread only)
+    ring: Any  # smoe.io.ring.ExpertRing
+    batcher: Any  # smoe.engine.batcher.Batcher
+    reader: Any  # smoe.io.reader.RecordReader
+    compute: Any  # smoe.compute.worker.ComputeThread: run(fn, *args) on the compute thread
+    tracer: Any  # smoe.compute.tracing.Tracer
+    popularity: Any  # smoe.sched.popularity.Popularity
