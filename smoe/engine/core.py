@@ -240,18 +240,26 @@ class Engine(GroupAPI):
         if split_policy_name(o.policy)[1]:
             top_k = m.shape.experts_per_token
             self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
-            self.tracer.observers.hint = lambda layer, experts: loop.call_soon_threadsafe(
-                self.scheduler.hint, layer, experts
-            )
+
+            def hint(layer: int, experts: list[int]) -> None:  # the compute thread's call
+                loop.call_soon_threadsafe(self.scheduler.hint, layer, experts)
+
+            self.tracer.observers.hint = hint
         # A ring holding every expert serves layers from device tables; not across ranks,
         # where each layer computes this rank's experts only.
-        every_key = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
+        every_key: list[tuple[int, int]] | None = [
+            (spec.layer, e) for spec in m.layers for e in range(m.num_experts)
+        ]
         if self.ranks is not None:
             every_key = None
         self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
         self._commit_queued = False
-        if self.ring.kind == "staged":
-            self.ring.on_landed = lambda: loop.call_soon_threadsafe(self._commit_soon)
+        if isinstance(self.ring, StagedRing):
+
+            def landed() -> None:  # an I/O thread's call: commit on the loop, soon
+                loop.call_soon_threadsafe(self._commit_soon)
+
+            self.ring.on_landed = landed
 
     def _make_ring(self, kind: str, slots: int) -> ExpertRing:
         """The ring (on the compute thread: its arrays belong to that thread's device)."""
@@ -331,7 +339,7 @@ class Engine(GroupAPI):
             return None
         eos = self.vault.config().get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else eos
-        return load_tokenizer(self.vault.path, eos_token_ids=eos)
+        return load_tokenizer(self.vault.path, eos_token_ids=eos)  # type: ignore[no-untyped-call]
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
@@ -657,7 +665,7 @@ class Engine(GroupAPI):
         max_tokens: int,
         eos: frozenset[int],
         request: Request | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Submit a generation to the batcher and turn its tokens into events. ``prepare``
         runs on the compute thread and returns the sequence pointed at its prompt
         (``Runner.prepare``); the batcher prefills it and decodes it with the others.
