@@ -148,14 +148,14 @@ class Runner:
         if self.kv_bits is not None:
             from mlx_lm.generate import maybe_quantize_kv_cache
 
-            maybe_quantize_kv_cache(cache, 0, self.kv_group_size, self.kv_bits)
+            maybe_quantize_kv_cache(cache, 0, self.kv_group_size, self.kv_bits)  # type: ignore[no-untyped-call]
 
     def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
         """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
         out = []
         self._phase(0)
         for start in range(0, len(tokens), self.chunk):
-            piece = mx.array(tokens[start : start + self.chunk])[None]
+            piece = mx.array(list(tokens[start : start + self.chunk]))[None]
             y = self.model(piece, cache=cache)
             self._quantize(cache)
             if logits:
@@ -319,7 +319,7 @@ class Runner:
                 nxt = self._build_step(seq, token, len(seq.tokens) + 1)
                 seq.ahead, seq.ahead_routing = nxt, self._queue(nxt)
                 self.built_ahead += 1
-            value = int(token.item())  # waits for this step's pass only
+            value = cast(int, token.item())  # waits for this step's pass only
             if self.tracer is not None:
                 self.tracer.count(routing)
         except BaseException:
@@ -340,7 +340,7 @@ class Runner:
         """Start evaluating a built pass (its token and its routing counts); return the
         routing to count once the token has been read."""
         routing = self.tracer.take() if self.tracer is not None else None
-        mx.async_eval(token, *([routing.counts] if routing is not None else []))
+        mx.async_eval(token, *([routing.counts] if routing is not None else []))  # type: ignore[no-untyped-call]
         return routing
 
     def settle(self, seq: Sequence_) -> None:
@@ -447,7 +447,7 @@ class Runner:
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
         try:
             with solo_rows(self.rules):
-                y = self.model(tokens, cache=caches)  # [B, 1, V]
+                y: mx.array = self.model(tokens, cache=caches)  # [B, 1, V]
             for s in seqs:
                 self._quantize(s.cache)
             mx.eval(y)
@@ -542,7 +542,7 @@ class Runner:
         position = len(seq.tokens)
         params = seq.params
         if params is None or params.temperature == 0:  # greedy: plain decode's own pick
-            token = int(self._draw(seq, logits, position).item())
+            token = cast(int, self._draw(seq, logits, position).item())
             return token == guess, token
         if seq.processors:
             history = mx.array(seq.tokens)
@@ -559,7 +559,7 @@ class Runner:
 
     def _sample(self, seq: Sequence_, logits: mx.array) -> int:
         """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""
-        token = int(self._draw(seq, logits, len(seq.tokens)).item())
+        token = cast(int, self._draw(seq, logits, len(seq.tokens)).item())
         seq.tokens.append(token)
         return token
 
