@@ -9,9 +9,10 @@ ids. The block then combines the outputs exactly as it would in memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,7 +96,7 @@ class _Seen:
     ahead: Any = None  # the next layer's router on this input (router_ahead), evaluated
 
 
-class StreamingExperts(nn.Module):
+class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn: untyped
     """Drop-in for a SwitchGLU/SwitchMLP whose stacked parameters are ring arrays [S_b, ...].
 
     ``inners[b]`` is mlx-lm's own module (quantized like the vault) with every parameter
@@ -105,7 +106,7 @@ class StreamingExperts(nn.Module):
 
     def __init__(
         self,
-        inners: list[nn.Module],
+        inners: list[Any],  # mlx-lm's SwitchGLU / SwitchMLP modules
         locate: Callable[[int], tuple[int, int]],
         layer: int,
         num_experts: int,
@@ -203,7 +204,7 @@ class StreamingExperts(nn.Module):
                 LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(mine), waves, 0)
             )
             tracer.counters.unique_experts += len(mine)
-        return y
+        return cast(mx.array, y)  # the sum over ranks: [..., k, D]
 
     def _whole_share(
         self, x: mx.array, idx: np.ndarray, mine: list[int], ref: int
@@ -319,10 +320,10 @@ class StreamingExperts(nn.Module):
                 pending = [i for i in pending if i not in ready]
                 part = [experts[i] for i in ready]
                 slots = [lease.slots[i] for i in ready]
-                parts.add(
-                    part,
-                    lambda px, pi, p=part, s=slots: self._compute(px, pi, p, s, ref, parts.sorted),
+                compute = functools.partial(
+                    self._compute, experts=part, slots=slots, ref=ref, sort=parts.sorted
                 )
+                parts.add(part, compute)
                 ready = []
             return parts.result(), resident
         finally:
@@ -360,9 +361,10 @@ class StreamingExperts(nn.Module):
             mine = [i for i, (b, _) in enumerate(located) if b == bank]
             part = [experts[i] for i in mine]
             slots_b = [slots[i] for i in mine]
-            parts.add(
-                part, lambda px, pi, p=part, s=slots_b: self._compute(px, pi, p, s, ref, sort)
+            compute = functools.partial(
+                self._compute, experts=part, slots=slots_b, ref=ref, sort=sort
             )
+            parts.add(part, compute)
         return parts.result()
 
     def _run_in_waves(
@@ -382,6 +384,6 @@ class StreamingExperts(nn.Module):
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            parts.add(wave, lambda px, pi, w=wave: self._run(px, pi, w, ref, parts.sorted))
+            parts.add(wave, functools.partial(self._run, experts=wave, ref=ref, sort=parts.sorted))
             waves += 1
         return parts.result(), waves
