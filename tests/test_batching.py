@@ -260,3 +260,54 @@ async def test_a_batched_step_asks_for_each_layers_union_once(vaults):
     unions = [len(np.unique(idx)) for idx in routed]
     per_row = [sum(len(set(row)) for row in idx) for idx in routed]
     assert asked == sum(unions) < sum(per_row)
+
+
+class AttentionCalls:
+    """How many RoPE and attention kernels, and projections, a pass calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        self.counts = {"rope": 0, "sdpa": 0, "projection": 0}
+        rope, sdpa = mx.fast.rope, mx.fast.scaled_dot_product_attention
+        linear = nn.Linear.__call__
+
+        def counted(name, f):
+            def call(*args, **kwargs):
+                self.counts[name] += 1
+                return f(*args, **kwargs)
+
+            return call
+
+        monkeypatch.setattr(mx.fast, "rope", counted("rope", rope))
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted("sdpa", sdpa))
+        monkeypatch.setattr(nn.Linear, "__call__", counted("projection", linear))
+
+    async def of_a_pass(self, engine: Engine, rows: int) -> dict[str, int]:
+        r = engine.debug.runner
+        ps = prompts(rows) if rows <= len(PROMPT_LENGTHS) else [[3, 4 + i] for i in range(rows)]
+        seqs = [await engine.debug.compute.run(r.start, p, SamplingParams()) for p in ps]
+        self.counts = dict.fromkeys(self.counts, 0)
+        await engine.debug.compute.run(r.next_logits_batch, seqs)
+        return dict(self.counts)
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+async def test_a_batch_runs_only_rope_the_cache_and_attention_per_row(arch, vaults, monkeypatch):
+    """The projections of a batched pass's attention are one call per layer whatever the
+    rows (a row adds its RoPE and attention kernels only); DeepSeek-V3's latent attention,
+    which computes on the fetched keys, runs its whole module per row instead."""
+    vault = vaults(arch)
+    calls = AttentionCalls(monkeypatch)
+    # (Lookahead off: it runs the next layer's router on the batch, a call more.)
+    async with Engine.open(vault.path, lookahead=False) as engine:
+        two, four = await calls.of_a_pass(engine, 2), await calls.of_a_pass(engine, 4)
+    layers = len(vault.manifest.layers)
+    assert four["sdpa"] == 2 * two["sdpa"] > 0
+    if arch == "deepseek_v3":
+        assert four["projection"] > two["projection"]  # its attention's, once per row
+        return
+    assert four["rope"] == 2 * two["rope"] == 4 * 2 * layers  # queries and keys, per row
+    assert four["projection"] == two["projection"]  # the rows share every projection call

@@ -127,8 +127,10 @@ async def test_a_batched_pass_keeps_every_call_in_its_solo_kernel_class(vaults, 
     async with Engine.open(vault.path, solo_rows=True) as engine:
         assert engine.rules is CUDA
         got = await _batched_calls(engine, calls)
+        nine = await _batched_calls(engine, calls, n=9)  # attention's projections: 7 + 2
     assert got["gather_qmm"] and max(got["gather_qmm"]) < VECTOR_BELOW
     assert got["quantized_matmul"] and max(got["quantized_matmul"]) < VECTOR_BELOW
+    assert max(nine["quantized_matmul"]) == VECTOR_BELOW - 1
     async with Engine.open(vault.path, solo_rows=False) as engine:
         assert engine.rules is None
         plain = await _batched_calls(engine, calls)

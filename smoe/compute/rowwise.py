@@ -4,12 +4,21 @@ A decode step of B sequences runs the model once on [B, 1] tokens. Everything bu
 attention is row-wise arithmetic (embeddings, norms, projections, routers, the streamed
 experts, the LM head), so it runs batched: one read of each expert serves every sequence
 that routes to it. Attention is the one place where sequences differ in length; there
-``RowwiseAttention`` runs each row against its own KV cache, the call it makes alone.
-So no padding, no merged cache, and a row's arithmetic is the solo arithmetic wherever
-the kernels compute rows independently (tests/test_batching.py checks this bit for bit).
+only the parts that touch a row's own cache run per row: RoPE at the row's offset, the
+cache update, and scaled dot-product attention against the row's keys (the call each
+row makes alone). The projections and norms around them stay batched, one call for all
+rows (on a GPU shaped by ``solo_rows``), so a row adds five small kernels per layer, not
+the whole module. No padding, no merged cache, and a row's arithmetic is the solo
+arithmetic wherever the kernels compute rows independently (tests/test_batching.py
+checks this bit for bit).
 
 The model is handed, per layer, a ``RowCaches`` (the B sequences' caches of that layer)
-instead of one cache; masks it builds from it come back as ``RowMasks``.
+instead of one cache; masks it builds from it come back as ``RowMasks``. mlx-lm's
+attention reads ``cache.offset`` for RoPE, calls ``cache.update_and_fetch`` and passes the
+result to its module's ``scaled_dot_product_attention``: ``RowCaches`` answers the first
+two per row, and ``route_attention_per_row`` makes the third split its rows again.
+An architecture whose attention does not follow that pattern runs its whole attention
+module once per row (``RowwiseAttention(batched=False)``).
 
 A verify pass (drafts) runs one sequence's L tokens at once. Where kernels round a
 several-row attention otherwise than one row (a GPU, docs/gpu.md), it is handed a
@@ -19,6 +28,7 @@ each appending its keys and values to the cache first, as L decode steps would.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -37,8 +47,26 @@ class RowMasks:
         self.masks = masks
 
 
+class RowOffsets:
+    """Each row's cache offset, where mlx-lm's attention reads ``cache.offset`` (for RoPE)."""
+
+    def __init__(self, offsets: list[Any]) -> None:
+        self.offsets = offsets
+
+
+class RowKeys:
+    """Each row's keys (or values) as its own cache returned them: [1, H, L_i, D] each."""
+
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+
 class RowCaches:
-    """The B sequences' caches of one layer, passed where the model expects one cache."""
+    """The B sequences' caches of one layer, passed where the model expects one cache.
+
+    Inside a batched attention call it also stands for the rows' caches one by one:
+    ``offset`` gives each row's, ``update_and_fetch`` appends row i's keys and values to
+    cache i and returns every row's keys and values as ``RowKeys``."""
 
     def __init__(self, caches: list[Any]) -> None:
         self.caches = caches
@@ -48,6 +76,81 @@ class RowCaches:
 
     def make_mask(self, n: int, **kwargs: Any) -> RowMasks:
         return RowMasks([c.make_mask(n, **kwargs) for c in self.caches])
+
+    @property
+    def offset(self) -> RowOffsets:
+        return RowOffsets([c.offset for c in self.caches])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RowKeys, RowKeys]:
+        """keys, values: [B, H, 1, D] -> row i's cache's keys and values, [1, H, L_i, D]."""
+        fetched = [
+            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            for i, c in enumerate(self.caches)
+        ]
+        return RowKeys([k for k, _ in fetched]), RowKeys([v for _, v in fetched])
+
+
+class RowRope(nn.Module):
+    """A RoPE module that applies each row's own offset when given ``RowOffsets`` (one
+    call per row: the call the row makes alone); otherwise the wrapped RoPE unchanged."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if not isinstance(offset, RowOffsets):
+            return self.inner(x, offset)  # type: ignore[no-any-return]
+        # x: [B, H, 1, D] -> B calls on [1, H, 1, D]
+        rows = [self.inner(x[i : i + 1], o) for i, o in enumerate(offset.offsets)]
+        return mx.concatenate(rows, axis=0)
+
+
+def _attention_per_row(sdpa: Any) -> Any:
+    """``sdpa`` (mlx-lm's ``scaled_dot_product_attention``), made to run one call per row
+    when its keys come from a ``RowCaches``: row i's queries against cache i's keys, with
+    row i's mask, as in row i's solo step. Any other call is ``sdpa`` unchanged."""
+
+    def per_row(
+        queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, **kw: Any
+    ) -> mx.array:
+        if not isinstance(cache, RowCaches):
+            return sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)  # type: ignore[no-any-return]
+        # queries: [B, Hq, 1, D]; keys.rows[i], values.rows[i]: [1, Hkv, L_i, D]
+        outs = [
+            sdpa(
+                queries[i : i + 1],
+                keys.rows[i],
+                values.rows[i],
+                cache=c,
+                scale=scale,
+                mask=mask.masks[i] if isinstance(mask, RowMasks) else mask,
+                **kw,
+            )
+            for i, c in enumerate(cache.caches)
+        ]
+        return mx.concatenate(outs, axis=0)
+
+    per_row.routes_rows = True  # type: ignore[attr-defined]
+    return per_row
+
+
+def route_attention_per_row(attention: nn.Module) -> bool:
+    """Make the module that defines ``attention``'s class call its attention per row for
+    a ``RowCaches`` (``_attention_per_row``); True if it could. mlx-lm's attention modules
+    call the name ``scaled_dot_product_attention`` of their own module, so that name is
+    where rows can be split without copying the module's code; every other caller of it
+    (a lone sequence, mlx-lm's own models in the tests) gets the function unchanged."""
+    from mlx_lm.models import base
+
+    module = sys.modules.get(type(attention).__module__)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if getattr(current, "routes_rows", False):
+        return True
+    if current is not base.scaled_dot_product_attention:
+        return False
+    module.scaled_dot_product_attention = _attention_per_row(current)
+    return True
 
 
 class SequenceMask:
@@ -73,21 +176,25 @@ class RowSequence:
 
 
 class RowwiseAttention(nn.Module):
-    """Runs the wrapped attention once per row when given ``RowCaches`` (a batch: each
-    row with its own cache) or a ``RowSequence`` (one sequence's rows in turn, on its
-    cache); otherwise (one sequence, prefill, tests) it is the wrapped module unchanged."""
+    """Runs the wrapped attention row by row where rows have their own caches: given
+    ``RowCaches`` (a batch, each row with its own cache) it runs once on all rows with
+    only RoPE, the cache update and the attention itself per row when ``batched`` (see
+    the module's docstring), else the whole module once per row; given a ``RowSequence``
+    (one sequence's rows in turn, on its cache) the whole module once per row. Otherwise
+    (one sequence, prefill, tests) it is the wrapped module unchanged."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, batched: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.batched = batched
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         sequence = _find(args, kwargs, RowSequence)
         if sequence is not None:
             return self._in_turn(x, sequence, args, kwargs)
         rows = _find(args, kwargs, RowCaches)
-        if rows is None:
-            return self.inner(x, *args, **kwargs)
+        if rows is None or self.batched:
+            return self.inner(x, *args, **kwargs)  # type: ignore[no-any-return]
         # x: [B, 1, D] -> B calls on [1, 1, D], each with its own cache and mask
         outs = []
         for i, cache in enumerate(rows.caches):
@@ -148,5 +255,19 @@ def install_rowwise_attention(model: nn.Module, model_type: str) -> bool:
             return False
         targets.append((layer, names[0]))
     for layer, name in targets:
-        setattr(layer, name, RowwiseAttention(getattr(layer, name)))
+        attention = getattr(layer, name)
+        batched = arch.batched_attention and _batch(attention)
+        setattr(layer, name, RowwiseAttention(attention, batched))
+    return True
+
+
+def _batch(attention: nn.Module) -> bool:
+    """Prepare ``attention`` to run a batch in one call, its rows' RoPE, cache update and
+    attention one row per call; False (it then runs once per row) where its module does
+    not follow mlx-lm's pattern: a ``rope`` module and the module's attention function."""
+    rope = getattr(attention, "rope", None)
+    if not isinstance(rope, nn.Module) or not route_attention_per_row(attention):
+        return False
+    if not isinstance(rope, RowRope):
+        attention.rope = RowRope(rope)
     return True

@@ -32,7 +32,7 @@ Nothing here changes arithmetic: it only chooses how many rows each MLX call get
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -155,12 +155,14 @@ class RowPiecesEmbedding(nn.Module):
         return in_pieces(self.inner.as_linear, x, rules.dense_rows(self._quantized))  # type: ignore[no-any-return]
 
 
-def install_row_pieces(model: nn.Module, skip: tuple[type, ...], routers: list[nn.Module]) -> int:
+def install_row_pieces(
+    model: nn.Module, skip: Callable[[nn.Module], bool], routers: list[nn.Module]
+) -> int:
     """Wrap every Linear, QuantizedLinear and embedding of ``model`` (after its weights
     are loaded: parameter paths change), and each of ``routers`` (a MoE block's router that
-    is not a Linear), in row pieces. Subtrees of a ``skip`` type are left alone (attention
-    already runs one row per call; streamed experts shape their own calls). Returns how
-    many modules were wrapped."""
+    is not a Linear), in row pieces. Subtrees for which ``skip`` is true are left alone
+    (an attention that already runs one row per call; streamed experts shape their own
+    calls). Returns how many modules were wrapped."""
     wrapped = 0
     router_ids = {id(r) for r in routers}
 
@@ -172,7 +174,7 @@ def install_row_pieces(model: nn.Module, skip: tuple[type, ...], routers: list[n
         if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
             wrapped += 1
             return RowPiecesEmbedding(module)
-        if isinstance(module, nn.Module) and not isinstance(module, skip):
+        if isinstance(module, nn.Module) and not skip(module):
             visit(module)
         return module
 

@@ -309,8 +309,12 @@ class Engine(GroupAPI):
             self.vault, self.ring, source, self.dtype, self.tracer, shards=shards, rules=self.rules
         )
         batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
-        if self.rules is not None:  # after the attention wrap: its rows already run alone
-            skip = (RowwiseAttention, StreamingExperts)
+        if self.rules is not None:  # after the attention wrap: a row-by-row one runs rows alone
+
+            def skip(m: object) -> bool:
+                unbatched = isinstance(m, RowwiseAttention) and not m.batched
+                return unbatched or isinstance(m, StreamingExperts)
+
             install_row_pieces(model, skip, moe_routers(model, self.vault))
         layers = len(self.vault.manifest.layers)
         o = self.options

@@ -4,6 +4,10 @@ mlx-lm's one-file-per-architecture model code does the math; what S-MoE adds per
 architecture is small and lives here, each entry saying why:
 - ``batched_decode``: decoding several sequences in one pass is tested against solo decode
   for it (tests/test_batching.py); others decode a batch one sequence after another;
+- ``batched_attention``: its attention module follows mlx-lm's common pattern (RoPE at
+  ``cache.offset``, ``update_and_fetch``, the module's attention function), so a batch runs
+  it once with only those parts per row (smoe.compute.rowwise); others (DeepSeek-V3's
+  latent attention computes on the fetched keys) run the whole module once per row;
 - ``source_adapter``: turns a transformers float checkpoint into the layout mlx-lm's
   ``sanitize`` reads, where the two differ;
 - ``config_fixup``: completes a normalised config.json where mlx-lm needs more;
@@ -37,6 +41,7 @@ class Architecture:
     model_type: str
     synth_config: Callable[[Any], dict[str, Any]]  # preset -> transformers config kwargs
     batched_decode: bool = True
+    batched_attention: bool = True
     source_adapter: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     config_fixup: Callable[[dict[str, Any]], None] | None = None
     min_layers: int = 1  # synth: DeepSeek's first layer is dense, so it needs two
@@ -125,7 +130,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mixtral", _local_experts),
         Architecture("olmoe", _olmoe),
         Architecture("deepseek_v2", _deepseek_v2, config_fixup=_deepseek_v2_rope, min_layers=2),
-        Architecture("deepseek_v3", _deepseek, min_layers=2, sigmoid_router=True),
+        Architecture(
+            "deepseek_v3", _deepseek, min_layers=2, sigmoid_router=True, batched_attention=False
+        ),
         Architecture("gpt_oss", _local_experts, source_adapter=_adapt_transformers_gpt_oss),
     )
 }
