@@ -1,5 +1,5 @@
 """Where a batched decode step's time goes at 1, 2, 4 and 8 rows, with the kernel rules on
-and off (issue 26): the host building the lazy graph, then evaluating it (the device's
+and off (issue 26): the host building the lazy graph (and its size in primitives), then evaluating it (the device's
 work, plus what launching it costs the host), then reading each row's token back.
 
     python bench/batch_build_cost.py VAULT [--device gpu] [--rows 1,2,4,8] [--repeats 7]
@@ -13,7 +13,9 @@ rules (``sample_ms``: one greedy draw read back per row, as a step not built ahe
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import statistics
 import sys
 import time
@@ -28,6 +30,13 @@ from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, solo_rows
 from smoe.engine import Engine
 from smoe.vault.format import Vault
+
+
+def primitives(y: mx.array) -> int:
+    """How many primitives the lazy graph of ``y`` holds (MLX's dot export, one node each)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, y)
+    return len(re.findall(r'label ="[A-Za-z]', dot.getvalue()))
 
 
 def build_times(runner, rows: list[int], repeats: int) -> list[dict]:
@@ -45,6 +54,8 @@ def build_times(runner, rows: list[int], repeats: int) -> list[dict]:
                 with solo_rows(rules):
                     y = runner.model(tokens, cache=caches if n > 1 else batch[0].cache)
                 built = time.perf_counter()
+                if not times:  # the graph's size: what launching it costs grows with it
+                    size = primitives(y)
                 mx.eval(y)
                 evaluated = time.perf_counter()
                 for i in range(n):  # [1, V] -> token, one sync each
@@ -61,6 +72,7 @@ def build_times(runner, rows: list[int], repeats: int) -> list[dict]:
                     "rows": n,
                     "build_ms": round(ms, 3),
                     "build_per_row_ms": round(ms / n, 3),
+                    "primitives": size,
                     "eval_ms": round(statistics.median(evals) * 1e3, 3),
                     "sample_ms": round(statistics.median(samples) * 1e3, 3),
                 }

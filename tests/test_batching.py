@@ -295,9 +295,9 @@ class AttentionCalls:
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-async def test_a_batch_runs_only_rope_the_cache_and_attention_per_row(arch, vaults, monkeypatch):
-    """The projections of a batched pass's attention are one call per layer whatever the
-    rows (a row adds its RoPE and attention kernels only); DeepSeek-V3's latent attention,
+async def test_a_batch_runs_only_the_cache_and_the_attention_per_row(arch, vaults, monkeypatch):
+    """The projections and RoPE of a batched pass's attention are one call per layer
+    whatever the rows (a row adds its cache update and attention only); DeepSeek-V3's latent attention,
     which computes on the fetched keys, runs its whole module per row instead."""
     vault = vaults(arch)
     calls = AttentionCalls(monkeypatch)
@@ -309,5 +309,5 @@ async def test_a_batch_runs_only_rope_the_cache_and_attention_per_row(arch, vaul
     if arch == "deepseek_v3":
         assert four["projection"] > two["projection"]  # its attention's, once per row
         return
-    assert four["rope"] == 2 * two["rope"] == 4 * 2 * layers  # queries and keys, per row
+    assert four["rope"] == two["rope"] == 2 * layers  # queries and keys, each row its offset
     assert four["projection"] == two["projection"]  # the rows share every projection call

@@ -251,6 +251,61 @@ def probe_attention(dtype: mx.Dtype, H: int = 16, Hkv: int = 4, hd: int = 128, T
     return out
 
 
+def _pad(a: mx.array, length: int, side: str) -> mx.array:
+    """[1, H, n, D] -> [1, H, length, D], zeros after (right) or before (left) the keys."""
+    extra = length - a.shape[2]
+    return mx.pad(a, [(0, 0), (0, 0), (0, extra) if side == "right" else (extra, 0), (0, 0)])
+
+
+def probe_batched_attention(dtype: mx.Dtype, H: int = 16, Hkv: int = 4, hd: int = 128):
+    """Decode rows of different lengths (each its own cache) in one call, against each row
+    alone (no mask, its own keys): RoPE with each row's offset as an array, and attention
+    over the rows' keys padded to the longest (right: each row's keys where its own cache
+    has them; left: mlx-lm's batch cache) with a boolean or an additive mask."""
+    scale = hd**-0.5
+    t_attn: dict[str, Any] = {}
+    t_rope: dict[str, Any] = {}
+    for lengths in (
+        (5, 37, 150, 300),
+        (37, 700, 1500, 3000),
+        (100, 101, 130, 255, 256, 257, 511, 999),
+    ):
+        B, Lmax = len(lengths), max(lengths)
+        q = rand((B, H, 1, hd), dtype, 21)
+        keys = [rand((1, Hkv, n, hd), dtype, 22 + i) for i, n in enumerate(lengths)]
+        values = [rand((1, Hkv, n, hd), dtype, 42 + i) for i, n in enumerate(lengths)]
+        alone = mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(q[i : i + 1], k, v, scale=scale)
+                for i, (k, v) in enumerate(zip(keys, values, strict=True))
+            ]
+        )
+        name = "x".join(map(str, lengths))
+        for side in ("right", "left"):
+            K = mx.concatenate([_pad(k, Lmax, side) for k in keys])
+            V = mx.concatenate([_pad(v, Lmax, side) for v in values])
+            pos = mx.arange(Lmax)[None, :]
+            n_ = mx.array(lengths)[:, None]
+            valid = pos < n_ if side == "right" else pos >= (Lmax - n_)  # [B, Lmax]
+            boolean = valid[:, None, None, :]
+            additive = mx.where(boolean, 0.0, -mx.inf).astype(dtype)
+            for mname, mask in (("bool", boolean), ("additive", additive)):
+                got = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask)
+                form_result(f"{side}_{mname}_{name}", got, alone, t_attn)
+        offsets = [n - 1 for n in lengths]
+        r_alone = mx.concatenate(
+            [
+                mx.fast.rope(q[i : i + 1], hd, traditional=False, base=1e6, scale=1.0, offset=o)
+                for i, o in enumerate(offsets)
+            ]
+        )
+        r_batch = mx.fast.rope(
+            q, hd, traditional=False, base=1e6, scale=1.0, offset=mx.array(offsets)
+        )
+        form_result(f"offsets_{name}", r_batch, r_alone, t_rope)
+    return {"sdpa": t_attn, "rope": t_rope}
+
+
 def timed(fn, repeats: int = 30) -> float:
     """Median seconds of ``fn()`` evaluated, after a warm-up."""
     mx.eval(fn())
@@ -302,6 +357,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the demo geometry only")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--costs", action="store_true", help="also time one call against pieces")
+    ap.add_argument(
+        "--attention-only", action="store_true", help="only the attention and RoPE probes"
+    )
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     report: dict[str, Any] = {
@@ -311,6 +369,8 @@ def main() -> None:
     }
     started = time.perf_counter()
     geos = {"demo": GEOMETRIES["demo"]} if args.quick else GEOMETRIES
+    if args.attention_only:
+        geos = {}
     for gname, g in geos.items():
         D, F, E, K, V = g["D"], g["F"], g["E"], g["K"], g["V"]
         n = 16
@@ -333,6 +393,7 @@ def main() -> None:
         report[gname] = r
         print(f"{gname}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     report["attention"] = probe_attention(dtype)
+    report["batched_attention"] = probe_batched_attention(dtype)
     if args.costs:
         report["costs"] = probe_costs(dtype)
     report["seconds"] = round(time.perf_counter() - started, 1)

@@ -83,16 +83,16 @@ class RowCaches:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RowKeys, RowKeys]:
         """keys, values: [B, H, 1, D] -> row i's cache's keys and values, [1, H, L_i, D]."""
-        fetched = [
-            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            for i, c in enumerate(self.caches)
-        ]
+        rows = zip(_rows(keys), _rows(values), strict=True)
+        fetched = [c.update_and_fetch(k, v) for c, (k, v) in zip(self.caches, rows, strict=True)]
         return RowKeys([k for k, _ in fetched]), RowKeys([v for _, v in fetched])
 
 
 class RowRope(nn.Module):
-    """A RoPE module that applies each row's own offset when given ``RowOffsets`` (one
-    call per row: the call the row makes alone); otherwise the wrapped RoPE unchanged."""
+    """A RoPE module that applies each row's own offset when given ``RowOffsets``: one
+    call with the offsets as an array, which MLX's kernel reads per row (the probe
+    bench/gpu/row_fingerprint.py finds each row's bits equal to its call alone); otherwise
+    the wrapped RoPE unchanged."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -101,9 +101,12 @@ class RowRope(nn.Module):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not isinstance(offset, RowOffsets):
             return self.inner(x, offset)  # type: ignore[no-any-return]
-        # x: [B, H, 1, D] -> B calls on [1, H, 1, D]
-        rows = [self.inner(x[i : i + 1], o) for i, o in enumerate(offset.offsets)]
-        return mx.concatenate(rows, axis=0)
+        return self.inner(x, mx.array(offset.offsets))  # type: ignore[no-any-return]  # x: [B, H, 1, D]
+
+
+def _rows(x: mx.array) -> list[mx.array]:
+    """x: [B, ...] -> B arrays [1, ...], in one primitive (a slice per row would be B)."""
+    return mx.split(x, x.shape[0], axis=0) if x.shape[0] > 1 else [x]
 
 
 def _attention_per_row(sdpa: Any) -> Any:
@@ -119,7 +122,7 @@ def _attention_per_row(sdpa: Any) -> Any:
         # queries: [B, Hq, 1, D]; keys.rows[i], values.rows[i]: [1, Hkv, L_i, D]
         outs = [
             sdpa(
-                queries[i : i + 1],
+                q,
                 keys.rows[i],
                 values.rows[i],
                 cache=c,
@@ -127,7 +130,7 @@ def _attention_per_row(sdpa: Any) -> Any:
                 mask=mask.masks[i] if isinstance(mask, RowMasks) else mask,
                 **kw,
             )
-            for i, c in enumerate(cache.caches)
+            for i, (c, q) in enumerate(zip(cache.caches, _rows(queries), strict=True))
         ]
         return mx.concatenate(outs, axis=0)
 
