@@ -14,12 +14,16 @@ shapes batched and verify passes so each row gets the kernel its solo decode ste
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
 from smoe.bench.resident import fill_ring
+from smoe.compute import row_gemv
+from smoe.compute import solo_rows as solo_rows_module
 from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, RowPieces, RowPiecesEmbedding, expert_call, solo_rows
 from smoe.engine import Engine
@@ -28,6 +32,9 @@ from tests.conftest import make_hf_checkpoint
 from tests.test_batching import batched_decode, prompts, solo_decode
 
 VECTOR_BELOW = CUDA.vector_below  # 8: quantized calls below it run the per-row vector kernel
+# CUDA's rules as the engine opens them on the CPU: the probe finds MLX's batched gemv
+# (row_gemv.strided_rows) gives lone-row bits there; our CUDA kernel does not run.
+CPU_RULES = dataclasses.replace(CUDA, float_kernel="strided")
 STEPS = 4
 
 
@@ -125,7 +132,7 @@ async def test_a_batched_pass_keeps_every_call_in_its_solo_kernel_class(vaults, 
     calls = Calls(monkeypatch)
     vault = vaults(2, backbone_bits=8, tied=False)
     async with Engine.open(vault.path, solo_rows=True) as engine:
-        assert engine.rules is CUDA
+        assert engine.rules == CPU_RULES
         got = await _batched_calls(engine, calls)
         nine = await _batched_calls(engine, calls, n=9)  # attention's projections: 7 + 2
     assert got["gather_qmm"] and max(got["gather_qmm"]) < VECTOR_BELOW
@@ -138,14 +145,28 @@ async def test_a_batched_pass_keeps_every_call_in_its_solo_kernel_class(vaults, 
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
-async def test_float_dense_calls_and_a_tied_head_run_one_row_each(vaults, monkeypatch):
-    """(Lookahead off: it runs the next layer's router on the whole batch, for the reads
+async def test_float_dense_calls_and_a_tied_head_keep_lone_row_kernels(vaults, monkeypatch):
+    """A batch's float Linears and tied head run in one launch of the probed row kernel
+    (row_gemv), all rows at once; where the probe finds none, one row per call.
+    (Lookahead off: it runs the next layer's router on the whole batch, for the reads
     it queues, not for any row's result.)"""
     calls = Calls(monkeypatch)
+    strided = row_gemv.FLOAT_KERNELS["strided"]
+
+    def recorded(x: mx.array, w: mx.array) -> mx.array:
+        calls._note("row_kernel", x.shape[0])
+        return strided(x, w)
+
+    monkeypatch.setitem(row_gemv.FLOAT_KERNELS, "strided", recorded)
     vault = vaults(2, tied=True)  # float backbone, LM head = the embedding's as_linear
     async with Engine.open(vault.path, solo_rows=True, lookahead=False) as engine:
         got = await _batched_calls(engine, calls)
-    assert got["float_dense"] and set(got["float_dense"]) == {1}
+    assert set(got["row_kernel"]) == {4} and "float_dense" not in got
+    monkeypatch.setattr(solo_rows_module, "exact_float_kernel", lambda dtypes: None)
+    async with Engine.open(vault.path, solo_rows=True, lookahead=False) as engine:
+        assert engine.rules == CUDA
+        pieces = await _batched_calls(engine, calls)
+    assert set(pieces["float_dense"]) == {1} and "row_kernel" not in pieces
     async with Engine.open(vault.path, solo_rows=False, lookahead=False) as engine:
         plain = await _batched_calls(engine, calls)
     assert max(plain["float_dense"]) == 4
@@ -268,6 +289,50 @@ def test_row_pieces_keep_a_router_tuple_and_the_leading_shape():
     assert np.array_equal(np.array(head), np.array(emb.as_linear(x)))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("dim", [256, 320, 200])  # MLX's gemv: 4, 2, 1 elements per lane
+def test_strided_rows_give_each_row_its_lone_bits(dtype, dim):
+    """MLX's batched gemv path: [R, 1, D] strided as transposed computes each row as its
+    decode-shaped [1, 1, D] call does (the GPU test checks the same on CUDA)."""
+    w = (mx.random.normal((40, dim), key=mx.random.key(1)) * 0.05).astype(dtype)
+    for rows in (2, 7, 19):
+        x = mx.random.normal((rows, dim), key=mx.random.key(rows)).astype(dtype)
+        got = row_gemv.strided_rows(x, w)
+        assert got.shape == (rows, 40) and got.dtype == dtype
+        assert mx.array_equal(got, row_gemv.lone_rows(x, w)).item()
+
+
+def test_the_probe_takes_the_first_kernel_that_gives_lone_bits(monkeypatch):
+    """Preferred order, a kernel the backend lacks (ours, off CUDA) skipped, and one whose
+    bits differ in any probed dtype refused; none matching leaves one call per row."""
+    assert row_gemv.exact_float_kernel([mx.float32, mx.bfloat16]) == "strided"
+
+    def off_in_bf16(x: mx.array, w: mx.array) -> mx.array:  # a cuBLAS-like stand-in
+        y = row_gemv.strided_rows(x, w)
+        return y if y.dtype != mx.bfloat16 else y * (1 + 2**-6)
+
+    kernels = {"bad": off_in_bf16, "ok": row_gemv.strided_rows}
+    monkeypatch.setattr(row_gemv, "FLOAT_KERNELS", kernels)
+    assert row_gemv.exact_float_kernel([mx.float32]) == "bad"
+    assert row_gemv.exact_float_kernel([mx.float32, mx.bfloat16]) == "ok"
+    monkeypatch.setattr(row_gemv, "FLOAT_KERNELS", {"bad": off_in_bf16})
+    assert row_gemv.exact_float_kernel([mx.bfloat16]) is None
+
+
+def test_a_float_linear_and_a_tied_head_run_all_rows_in_one_row_kernel_call():
+    """Inside the rules a bias-free float Linear's rows, whatever the leading shape, go
+    through the kernel at once; a biased one (cuBLAS even for one row) keeps pieces."""
+    rules = dataclasses.replace(CUDA, float_kernel="strided")
+    x = mx.random.normal((3, 2, 16), key=mx.random.key(5))
+    plain, biased = nn.Linear(16, 6, bias=False), nn.Linear(16, 6)
+    emb = nn.Embedding(10, 16)
+    with solo_rows(rules):
+        got = RowPieces(plain)(x), RowPieces(biased)(x), RowPiecesEmbedding(emb).as_linear(x)
+    want = plain(x), biased(x), emb.as_linear(x)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and mx.array_equal(g, w).item()
+
+
 # ---------------------------------------------------------------------------- the bits
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # model arithmetic, not loop behaviour
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v2", "gpt_oss"])
@@ -278,7 +343,7 @@ async def test_batched_equals_solo_bit_for_bit_through_the_pieces(arch, hf_dir, 
     top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):
         async with Engine.open(vault.path, solo_rows=True, **ring) as engine:
-            assert engine.debug.runner.batchable and engine.rules is CUDA
+            assert engine.debug.runner.batchable and engine.rules == CPU_RULES
             solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
             batched = await batched_decode(engine, prompts(), STEPS)
         for row in range(len(solo)):

@@ -32,6 +32,7 @@ Nothing here changes arithmetic: it only chooses how many rows each MLX call get
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from smoe.compute.row_gemv import FLOAT_KERNELS, exact_float_kernel
 from smoe.compute.switch import SORT_FROM, switch_call, unsorted_call
 
 
@@ -51,11 +53,15 @@ class KernelRules:
     from this many a tiled one (None: no measured switch; calls keep solo shapes).
     ``float_rows``: rows a float dense call may have and keep a lone row's kernel.
     ``measured``: where the rules come from (docs/gpu.md), for messages and reports.
+    ``float_kernel``: a ``row_gemv.FLOAT_KERNELS`` name that computes a bias-free float
+    Linear's rows in one launch with lone-row bits (checked when the engine opens:
+    ``row_gemv.exact_float_kernel``), or None: ``float_rows`` rows per call.
     """
 
     vector_below: int | None
     float_rows: int
     measured: str
+    float_kernel: str | None = None
 
     def dense_rows(self, quantized: bool) -> int:
         """Rows per dense call that keep each row's solo kernel."""
@@ -109,6 +115,16 @@ def in_pieces(fn: Any, x: mx.array, rows_per_call: int) -> Any:
     return _concat_rows(outs, lead)
 
 
+def float_rows_at_once(kernel: str, x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., D] @ weight.T ([N, D]) -> [..., N] with every row's lone-call bits, in one
+    launch of the ``row_gemv`` kernel named (a single row: the plain call, which is it)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])  # [R, D]
+    if flat.shape[0] == 1:
+        return x @ weight.T
+    return FLOAT_KERNELS[kernel](flat, weight).reshape(*lead, -1)
+
+
 def _is_quantized(module: nn.Module) -> bool:
     return "scales" in module or any(
         isinstance(child, nn.Module) and "scales" in child for child in module.children().values()
@@ -133,7 +149,13 @@ class RowPieces(nn.Module):
         rules = active_rules()
         if rules is None:
             return self.inner(x)
+        if rules.float_kernel and self._plain_float_linear():
+            return float_rows_at_once(rules.float_kernel, x, self.inner["weight"])
         return in_pieces(self.inner, x, rules.dense_rows(self._quantized))
+
+    def _plain_float_linear(self) -> bool:
+        # With a bias MLX runs even one row through cuBLAS (addmm): pieces keep that.
+        return type(self.inner) is nn.Linear and "bias" not in self.inner
 
 
 class RowPiecesEmbedding(nn.Module):
@@ -152,6 +174,8 @@ class RowPiecesEmbedding(nn.Module):
         rules = active_rules()
         if rules is None:
             return self.inner.as_linear(x)  # type: ignore[no-any-return]
+        if rules.float_kernel and type(self.inner) is nn.Embedding:
+            return float_rows_at_once(rules.float_kernel, x, self.inner.weight)
         return in_pieces(self.inner.as_linear, x, rules.dense_rows(self._quantized))  # type: ignore[no-any-return]
 
 
@@ -189,6 +213,18 @@ def install_row_pieces(
 
     visit(model)
     return wrapped
+
+
+def with_float_kernel(rules: KernelRules, model: nn.Module) -> KernelRules:
+    """``rules`` with the ``row_gemv`` kernel that gives rows of ``model``'s float weights
+    their lone call's bits on the current device, found by probing it in each float dtype
+    the model holds (``float_kernel`` None where none does: one row per call stays)."""
+    from mlx.utils import tree_flatten
+
+    dtypes = {
+        w.dtype for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)
+    }
+    return dataclasses.replace(rules, float_kernel=exact_float_kernel(sorted(dtypes, key=str)))
 
 
 # ------------------------------------------------------------------------- streamed experts
@@ -275,8 +311,10 @@ __all__ = [
     "RowPiecesEmbedding",
     "active_rules",
     "expert_call",
+    "float_rows_at_once",
     "in_pieces",
     "install_row_pieces",
     "reference_rows_of",
     "solo_rows",
+    "with_float_kernel",
 ]

@@ -300,7 +300,7 @@ class Engine(GroupAPI):
 
         from smoe.compute.model import build_model, moe_routers
         from smoe.compute.rowwise import RowwiseAttention, install_rowwise_attention
-        from smoe.compute.solo_rows import install_row_pieces
+        from smoe.compute.solo_rows import install_row_pieces, with_float_kernel
         from smoe.compute.streaming import StreamingExperts
 
         mx.set_default_device(self._device)  # the compute thread's MLX work
@@ -316,6 +316,7 @@ class Engine(GroupAPI):
                 return unbatched or isinstance(m, StreamingExperts)
 
             install_row_pieces(model, skip, moe_routers(model, self.vault))
+            self.rules = with_float_kernel(self.rules, model)
         layers = len(self.vault.manifest.layers)
         o = self.options
         return Runner(
