@@ -39,10 +39,15 @@ def primitives(y: mx.array) -> int:
     return len(re.findall(r'label ="[A-Za-z]', dot.getvalue()))
 
 
-def build_times(runner, rows: list[int], repeats: int) -> list[dict]:
+def build_times(runner, rows: list[int], repeats: int, opened) -> list[dict]:
+    """``opened``: the rules the engine opened with (float kernel probed: row_gemv); run
+    beside no rules and CUDA's rules with float Linears in one-row pieces."""
     seqs = [runner.start([5 + i, 17, 99, 300, 42], SamplingParams()) for i in range(max(rows))]
     out = []
-    for rules in (None, CUDA):
+    variants = {"none": None, "pieces": CUDA}
+    if opened is not None and opened.float_kernel:
+        variants[opened.float_kernel] = opened
+    for label, rules in variants.items():
         for n in rows:
             batch, times, evals, samples = seqs[:n], [], [], []
             for _ in range(repeats):
@@ -68,7 +73,7 @@ def build_times(runner, rows: list[int], repeats: int) -> list[dict]:
             ms = statistics.median(times) * 1e3
             out.append(
                 {
-                    "rules": rules is not None,
+                    "rules": label,
                     "rows": n,
                     "build_ms": round(ms, 3),
                     "build_per_row_ms": round(ms / n, 3),
@@ -92,7 +97,9 @@ async def main() -> None:
     every = Vault.open(args.vault).manifest.num_records
     async with Engine.open(args.vault, slots=every, device=args.device, max_batch=8) as engine:
         await fill_ring(engine)
-        runs = await engine.compute.run(build_times, engine.runner, rows, args.repeats)
+        runs = await engine.compute.run(
+            build_times, engine.runner, rows, args.repeats, engine.rules
+        )
     print(
         json.dumps(
             {

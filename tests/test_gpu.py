@@ -447,13 +447,13 @@ async def test_a_closed_engine_gives_its_ring_back_to_the_driver(tmp_path):
 def test_the_shared_weight_kernel_gives_every_row_its_lone_gemv_bits(dtype):
     """A batch's float Linears and LM head run all rows in one launch of our kernel
     (smoe.compute.row_gemv), which must round every row as MLX's decode-shaped call does:
-    the shapes of a 235B backbone and each of the gemv's lane widths, up to 19 rows (two
+    the shapes of a 235B backbone and each of the gemv's lane widths, up to 19 rows (three
     launches). The engine picks it by the same comparison when it opens."""
     from smoe.compute.row_gemv import exact_float_kernel, lone_rows, shared_weight_rows
 
     dt = getattr(mx, dtype)
     shapes = [(8192, 4096), (4096, 8192), (512, 4096), (128, 4096), (50000, 2048), (384, 200)]
-    for n, d in shapes + [(256, 320)]:
+    for n, d in shapes + [(250, 320), (100, 256)]:  # (a last warp's outputs partly past N)
         w = (mx.random.normal((n, d), key=mx.random.key(n)) * 0.05).astype(dt)
         for rows in (2, 3, 8, 16, 19):
             x = mx.random.normal((rows, d), key=mx.random.key(rows + d)).astype(dt)

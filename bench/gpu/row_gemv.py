@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     gpu = mx.default_device() == mx.gpu
-    rows_list = [1, 2, 3, 4, 7, 8, 9, 16, 17] if not args.quick else [1, 2, 8]
+    rows_list = [1, 2, 3, 4, 7, 8, 9, 16, 17] if not args.quick else [1, 2, 9]
     repeats = 5 if args.quick else 30
     out = []
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
@@ -65,15 +65,19 @@ def main() -> None:
                 row["strided_differ"] = differing(strided_rows(x, w), lone)
                 row["matmul_differ"] = differing(x @ w.T, lone)
                 if gpu:
-                    row["shared_differ"] = differing(shared_weight_rows(x, w), lone)
-                if rows in (1, 2, 4, 8, 16) and name in ("q_proj", "lm_head", "router"):
+                    for outs in (1, 4, 8):
+                        row[f"shared_{outs}_differ"] = differing(
+                            shared_weight_rows(x, w, outs), lone
+                        )
+                if rows in (1, 2, 4, 8) and name in ("q_proj", "lm_head", "router"):
                     row["ms_lone"] = timed(lambda x=x, w=w: lone_rows(x, w), repeats)
                     row["ms_strided"] = timed(lambda x=x, w=w: strided_rows(x, w), repeats)
                     row["ms_matmul"] = timed(lambda x=x, w=w: x @ w.T, repeats)
                     if gpu:
-                        row["ms_shared"] = timed(
-                            lambda x=x, w=w: shared_weight_rows(x, w), repeats
-                        )
+                        for outs in (1, 2, 4, 8):
+                            row[f"ms_shared_{outs}"] = timed(
+                                lambda x=x, w=w, o=outs: shared_weight_rows(x, w, o), repeats
+                            )
                 out.append(row)
                 print(json.dumps(row), file=sys.stderr)
     print(json.dumps({"benchmark": "row_gemv", "device": str(mx.default_device()), "rows": out}))

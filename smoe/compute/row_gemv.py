@@ -25,7 +25,8 @@ import mlx.core as mx
 # MLX's gemv (mlx/backend/cuda/gemms/gemv.cu, 0.32): 8 outputs per block, one warp each.
 _ROWS_PER_BLOCK = 8
 _WARP = 32
-MAX_SHARED_ROWS = 16  # rows one shared-weight launch accumulates (registers per lane)
+MAX_SHARED_ROWS = 8  # rows one shared-weight launch accumulates (registers per lane)
+OUTS_PER_WARP = 4  # outputs a warp of the shared-weight kernel computes
 
 
 def strided_rows(x: mx.array, weight: mx.array) -> mx.array:
@@ -42,38 +43,52 @@ _HEADER = """
 #include <cooperative_groups/reduce.h>
 """
 
-# One warp per output n; lane l sums elements [NPT*l + 32*NPT*i, +NPT) of each row in the
-# order MLX's gemv_impl does, then the warp reduce; the weight chunk is loaded once.
+# Each warp OUTS outputs n0.. n0+OUTS-1; lane l sums elements [NPT*l + 32*NPT*i, +NPT) of
+# each row in the order MLX's gemv_impl does (one sum per output and row), then the warp
+# reduce. A weight chunk is loaded once for all rows, a row's chunk once for OUTS outputs.
 _SOURCE = """
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
-    const int n = blockIdx.x * 8 + threadIdx.y;
     const int N = w_shape[0];
     const int K = w_shape[1];
     const int R = x_shape[0];  // at most MAX_ROWS: the sums stay in registers
-    if (n < N) {
-        float sum[MAX_ROWS];
+    const int n0 = (blockIdx.x * 8 + threadIdx.y) * OUTS;
+    if (n0 < N) {  // the same for the whole warp, as the reduce needs
+        float sum[OUTS][MAX_ROWS];
         #pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) sum[r] = 0.0f;
-        const T* wrow = w + (size_t)n * K;
-        for (int col = NPT * warp.thread_rank(); col < K; col += 32 * NPT) {
-            T wv[NPT];
+        for (int o = 0; o < OUTS; ++o)
             #pragma unroll
-            for (int j = 0; j < NPT; ++j) wv[j] = wrow[col + j];
+            for (int r = 0; r < MAX_ROWS; ++r) sum[o][r] = 0.0f;
+        for (int col = NPT * warp.thread_rank(); col < K; col += 32 * NPT) {
+            T wv[OUTS][NPT];
+            #pragma unroll
+            for (int o = 0; o < OUTS; ++o) {
+                const T* wrow = w + (size_t)min(n0 + o, N - 1) * K + col;
+                #pragma unroll
+                for (int j = 0; j < NPT; ++j) wv[o][j] = wrow[j];
+            }
             #pragma unroll
             for (int r = 0; r < MAX_ROWS; ++r) {
                 if (r >= R) break;
-                const T* xr = x + (size_t)r * K + col;
+                T xv[NPT];
                 #pragma unroll
-                for (int j = 0; j < NPT; ++j)
-                    sum[r] += static_cast<float>(wv[j]) * static_cast<float>(xr[j]);
+                for (int j = 0; j < NPT; ++j) xv[j] = x[(size_t)r * K + col + j];
+                #pragma unroll
+                for (int o = 0; o < OUTS; ++o)
+                    #pragma unroll
+                    for (int j = 0; j < NPT; ++j)
+                        sum[o][r] += static_cast<float>(wv[o][j]) * static_cast<float>(xv[j]);
             }
         }
         #pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) {
-            if (r >= R) break;
-            float s = cg::reduce(warp, sum[r], cg::plus<float>());
-            if (warp.thread_rank() == 0) out[(size_t)r * N + n] = static_cast<T>(s);
+        for (int o = 0; o < OUTS; ++o) {
+            if (n0 + o >= N) break;
+            #pragma unroll
+            for (int r = 0; r < MAX_ROWS; ++r) {
+                if (r >= R) break;
+                float s = cg::reduce(warp, sum[o][r], cg::plus<float>());
+                if (warp.thread_rank() == 0) out[(size_t)r * N + n0 + o] = static_cast<T>(s);
+            }
         }
     }
 """
@@ -86,9 +101,10 @@ def _elements_per_lane(dim: int) -> int:
     return 4 if dim % 128 == 0 else 2 if dim % 64 == 0 else 1
 
 
-def shared_weight_rows(x: mx.array, weight: mx.array) -> mx.array:
+def shared_weight_rows(x: mx.array, weight: mx.array, outs: int = OUTS_PER_WARP) -> mx.array:
     """x [R, D] @ weight.T ([N, D], row-major) -> [R, N] on CUDA, each row's bits those of
-    its lone gemv, the weight read once per ``MAX_SHARED_ROWS`` rows."""
+    its lone gemv, the weight read once per ``MAX_SHARED_ROWS`` rows. ``outs``: outputs
+    per warp (1: MLX's own layout; more reuse each row's loads, bench/gpu/row_gemv.py)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -100,8 +116,8 @@ def shared_weight_rows(x: mx.array, weight: mx.array) -> mx.array:
         )
     rows, dim = x.shape
     n_out = weight.shape[0]
-    blocks = -(-n_out // _ROWS_PER_BLOCK)
-    outs = []
+    blocks = -(-n_out // (_ROWS_PER_BLOCK * outs))
+    results = []
     for start in range(0, rows, MAX_SHARED_ROWS):
         part = x[start : start + MAX_SHARED_ROWS]
         (y,) = _kernel(
@@ -111,14 +127,15 @@ def shared_weight_rows(x: mx.array, weight: mx.array) -> mx.array:
                 ("T", x.dtype),
                 ("MAX_ROWS", MAX_SHARED_ROWS),
                 ("NPT", _elements_per_lane(dim)),
+                ("OUTS", outs),
             ],
             grid=(blocks * _WARP, _ROWS_PER_BLOCK, 1),
             threadgroup=(_WARP, _ROWS_PER_BLOCK, 1),
             output_shapes=[(part.shape[0], n_out)],
             output_dtypes=[x.dtype],
         )
-        outs.append(y)
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        results.append(y)
+    return results[0] if len(results) == 1 else mx.concatenate(results, axis=0)
 
 
 def lone_rows(x: mx.array, weight: mx.array) -> mx.array:
@@ -165,6 +182,7 @@ def exact_float_kernel(dtypes: Iterable[mx.Dtype]) -> str | None:
 __all__ = [
     "FLOAT_KERNELS",
     "MAX_SHARED_ROWS",
+    "OUTS_PER_WARP",
     "exact_float_kernel",
     "lone_rows",
     "shared_weight_rows",
