@@ -65,7 +65,7 @@ def main() -> None:
                 row["strided_differ"] = differing(strided_rows(x, w), lone)
                 row["matmul_differ"] = differing(x @ w.T, lone)
                 if gpu:
-                    for outs in (1, 4, 8):
+                    for outs in (1, 2, 4, 8):
                         row[f"shared_{outs}_differ"] = differing(
                             shared_weight_rows(x, w, outs), lone
                         )

@@ -26,7 +26,14 @@ import mlx.core as mx
 _ROWS_PER_BLOCK = 8
 _WARP = 32
 MAX_SHARED_ROWS = 8  # rows one shared-weight launch accumulates (registers per lane)
-OUTS_PER_WARP = 4  # outputs a warp of the shared-weight kernel computes
+# Outputs per warp of the shared-weight kernel, by output count (bench/gpu/row_gemv.py,
+# H200): 2 is fastest for projections and routers, 8 for a vocabulary-wide head.
+WIDE_OUTPUTS = 32768
+
+
+def outs_per_warp(n_out: int) -> int:
+    """How many outputs one warp computes for an N-output Linear (more reuse x's loads)."""
+    return 8 if n_out >= WIDE_OUTPUTS else 2
 
 
 def strided_rows(x: mx.array, weight: mx.array) -> mx.array:
@@ -101,10 +108,10 @@ def _elements_per_lane(dim: int) -> int:
     return 4 if dim % 128 == 0 else 2 if dim % 64 == 0 else 1
 
 
-def shared_weight_rows(x: mx.array, weight: mx.array, outs: int = OUTS_PER_WARP) -> mx.array:
+def shared_weight_rows(x: mx.array, weight: mx.array, outs: int | None = None) -> mx.array:
     """x [R, D] @ weight.T ([N, D], row-major) -> [R, N] on CUDA, each row's bits those of
     its lone gemv, the weight read once per ``MAX_SHARED_ROWS`` rows. ``outs``: outputs
-    per warp (1: MLX's own layout; more reuse each row's loads, bench/gpu/row_gemv.py)."""
+    per warp (1: MLX's own layout; None: ``outs_per_warp``; more reuse each row's loads)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -116,6 +123,7 @@ def shared_weight_rows(x: mx.array, weight: mx.array, outs: int = OUTS_PER_WARP)
         )
     rows, dim = x.shape
     n_out = weight.shape[0]
+    outs = outs or outs_per_warp(n_out)
     blocks = -(-n_out // (_ROWS_PER_BLOCK * outs))
     results = []
     for start in range(0, rows, MAX_SHARED_ROWS):
@@ -182,7 +190,7 @@ def exact_float_kernel(dtypes: Iterable[mx.Dtype]) -> str | None:
 __all__ = [
     "FLOAT_KERNELS",
     "MAX_SHARED_ROWS",
-    "OUTS_PER_WARP",
+    "outs_per_warp",
     "exact_float_kernel",
     "lone_rows",
     "shared_weight_rows",
