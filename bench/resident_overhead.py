@@ -2,7 +2,8 @@
 prompt decoded by the runner's own loop (no event loop), by ``Engine.generate`` (the
 compute thread and the loop), and by mlx-lm's ``generate_step`` on the same weights, in
 alternating rounds in one process; then the host time to build one token's lazy graph and
-the number of primitives in it, for the engine's model and mlx-lm's.
+the number of primitives in it, for the engine's model and mlx-lm's; then one decode loop
+shaped as mlx-lm's on each model, each token split into build, queue and wait.
 
     python bench/resident_overhead.py VAULT [--device gpu] [--tokens 96] [--rounds 4]
 
@@ -64,14 +65,41 @@ async def engine_ms(engine: Engine, tokens: int) -> float:
     return (time.perf_counter() - start) / tokens * 1e3
 
 
+def timeline_ms(model: Any, cache: Any, tokens: int) -> dict[str, float]:
+    """One greedy decode loop shaped as mlx-lm's generate_step (token n+1 built and queued
+    before token n is read), on any model and cache, with each token's host time split:
+    ``build`` (the Python forward pass), ``queue`` (async_eval: MLX walks and launches the
+    graph), ``wait`` (``item``: the device finishing the previous pass). Medians, ms."""
+    phases: dict[str, list[float]] = {"build": [], "queue": [], "wait": [], "step": []}
+    y = mx.argmax(model(mx.array([[17]]), cache=cache)[:, -1, :], axis=-1)  # [1]
+    mx.async_eval(y)
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        nxt = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        for name, ms in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+            phases[name].append(ms * 1e3)
+        y = nxt
+    mx.eval(y)
+    trim_prompt_cache(cache, tokens + 1)
+    return {k: round(statistics.median(v), 3) for k, v in phases.items()}
+
+
 def graph_cost(model: Any, cache: Any, repeats: int = 30) -> dict[str, float]:
-    """Median host ms to build one decode token's graph (not evaluate it), and its size."""
-    times = []
+    """Median host ms to build one decode token's graph and to evaluate it (synchronously:
+    MLX's walk and launches plus the device), and the graph's size."""
+    times, evals = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         y = model(mx.array([[17]]), cache=cache)  # [1, 1, V]
-        times.append(time.perf_counter() - start)
+        built = time.perf_counter()
         mx.eval(y)
+        evals.append(time.perf_counter() - built)
+        times.append(built - start)
         trim_prompt_cache(cache, 1)
     y = model(mx.array([[17]]), cache=cache)
     dot = io.StringIO()
@@ -79,12 +107,18 @@ def graph_cost(model: Any, cache: Any, repeats: int = 30) -> dict[str, float]:
     mx.eval(y)
     trim_prompt_cache(cache, 1)
     primitives = len(re.findall(r'label ="[A-Za-z]', dot.getvalue()))
-    return {"build_ms": round(statistics.median(times) * 1e3, 3), "primitives": primitives}
+    return {
+        "build_ms": round(statistics.median(times) * 1e3, 3),
+        "eval_ms": round(statistics.median(evals) * 1e3, 3),
+        "primitives": primitives,
+    }
 
 
-def engine_graph_cost(runner: Any) -> dict[str, float]:
+def engine_graph_cost(runner: Any, tokens: int) -> dict[str, Any]:
     seq = runner.start(PROMPT, SamplingParams())
-    return graph_cost(runner.model, seq.cache)
+    cost: dict[str, Any] = graph_cost(runner.model, seq.cache)
+    cost["timeline_ms"] = timeline_ms(runner.model, seq.cache, tokens)
+    return cost
 
 
 async def main() -> None:
@@ -107,12 +141,14 @@ async def main() -> None:
                     "mlx_lm_ms": await engine.compute.run(mlx_lm_ms, reference, args.tokens),
                 }
             )
-        ours = await engine.compute.run(engine_graph_cost, engine.runner)
+        ours = await engine.compute.run(engine_graph_cost, engine.runner, args.tokens)
 
-        def reference_cost() -> dict[str, float]:
+        def reference_cost() -> dict[str, Any]:
             cache = make_prompt_cache(reference)
             mx.eval(reference(mx.array([PROMPT]), cache=cache))
-            return graph_cost(reference, cache)
+            cost: dict[str, Any] = graph_cost(reference, cache)
+            cost["timeline_ms"] = timeline_ms(reference, cache, args.tokens)
+            return cost
 
         theirs = await engine.compute.run(reference_cost)
     medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
