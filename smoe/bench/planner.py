@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
 from smoe.bench.forecast import Shape, forecast, routing_probabilities
-from smoe.bench.probe import probe_compute, probe_disk, recorded_compute
+from smoe.bench.probe import auto_workers, probe_compute, probe_disk, recorded_compute
 from smoe.engine.budget import (
     KV_BITS,
     KV_STEP,
@@ -31,6 +32,7 @@ from smoe.engine.budget import (
     pick_context,
     suggest_at_least,
 )
+from smoe.engine.options import DEFAULT_WORKERS
 from smoe.engine.ring_plan import (
     Device,
     available_memory,
@@ -57,7 +59,13 @@ class PlanOptions:
     kv_bits: int | None = None  # 4 or 8: mlx-lm's quantized KV cache
     max_batch: int = 1  # sequences decoded together (KV caches kept)
     prefill_chunk: int = 64
-    workers: int = 4
+    workers: int | None = None  # None: the engine's choice for the disk (probe.auto_workers)
+
+    @property
+    def io_workers(self) -> int:
+        """The worker count (make_plan resolves None first, as the engine does)."""
+        return self.workers or DEFAULT_WORKERS
+
     bits: int | None = None  # a source folder: the --bits `smoe convert` would use
     probe_seconds: float = 3.0
     probe_requests: int = 4  # compute probe: measured requests (after one warm-up)
@@ -153,7 +161,7 @@ def _needs(
             subject.vault, dtype, kind=kind, discrete=device.discrete, **_sizing(o, context)
         )
     dsize = int(dtype.size)
-    landing = 2 * o.workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
+    landing = 2 * o.io_workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
     return parts(
         subject.config,
         subject.backbone(dsize),
@@ -190,7 +198,7 @@ def _sizing(o: PlanOptions, context: int) -> dict[str, Any]:
         "max_context": context,
         "kv_bits": o.kv_bits,
         "prefill_chunk": o.prefill_chunk,
-        "workers": o.workers,
+        "workers": o.io_workers,
     }
 
 
@@ -234,6 +242,12 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     import mlx.core as mx
 
     subject = open_subject(path, o.bits)
+    if o.workers is None:  # as the engine will choose them, so the plan is the engine's
+        size = subject.probe_file.stat().st_size
+        workers, _ = await anyio.to_thread.run_sync(
+            auto_workers, subject.probe_file, subject.shape.record_bytes, size
+        )
+        o = dataclasses.replace(o, workers=workers)
     if o.kv_bits is not None and o.kv_bits not in KV_BITS:
         raise SmoeError(f"--kv-bits must be 4 or 8, not {o.kv_bits}")
     mlx_device = choose_device(o.device)
@@ -312,7 +326,7 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
             else "the compute probe was skipped"
         )
     else:
-        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk, o.workers)
+        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk, o.io_workers)
     out["cold_fill_s"] = round(budget.slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
     return out
 
@@ -324,7 +338,7 @@ async def _probe_disk(subject: Subject, o: PlanOptions) -> dict[str, Any]:
     def probe() -> dict[str, Any]:
         s = subject.shape
         return probe_disk(
-            subject.probe_file, s.record_bytes, o.workers, seconds=o.probe_seconds, fresh=o.fresh
+            subject.probe_file, s.record_bytes, o.io_workers, seconds=o.probe_seconds, fresh=o.fresh
         )
 
     try:
@@ -355,7 +369,7 @@ async def _compute(
         dtype=dtype,
         slots=slots,
         disk_gbps=disk["gbps"],
-        workers=o.workers,
+        workers=o.io_workers,
         requests=o.probe_requests,
         chunks=o.probe_chunks,
     )

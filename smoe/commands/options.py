@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -24,4 +25,27 @@ def add_dtype(p: Any) -> None:
         choices=DTYPES,
         default=None,
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
+    )
+
+
+def worker_count(text: str) -> int | None:
+    """--workers: "auto" (None: the engine probes the disk) or a whole number (the engine
+    refuses one below 1 in its own one-line error)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give auto or a number, not {text!r}") from None
+
+
+def add_workers(p: Any) -> None:
+    """--workers, the I/O threads, as the run commands and the planner take it."""
+    p.add_argument(
+        "--workers",
+        type=worker_count,
+        default=None,
+        metavar="auto|N",
+        help="I/O threads (default auto: chosen for the disk by a short probe, cached; "
+        "4 for a model under 1 GiB)",
     )

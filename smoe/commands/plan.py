@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.commands.options import add_device, add_dtype
+from smoe.commands.options import add_device, add_dtype, add_workers
 from smoe.engine.budget import KV_BITS
 
 
@@ -138,7 +138,7 @@ def add_plan(sub: Any) -> None:
     p.add_argument(
         "--max-batch", type=int, default=1, help="sequences decoded together (default 1)"
     )
-    p.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    add_workers(p)
     p.add_argument(
         "--bits",
         type=int,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.commands.options import add_device, add_dtype
+from smoe.commands.options import add_device, add_dtype, add_workers
 from smoe.engine.budget import KV_BITS
 from smoe.errors import SmoeError
 from smoe.vault.hub import resolve_model
@@ -298,9 +298,14 @@ def _log_to_stderr(level: str) -> None:
 
 
 def _say_memory(engine: Any, quiet: bool) -> None:
-    """How --memory divided: one line on stderr (smoe.engine.budget.Fit.line)."""
-    if engine.fit is not None and not quiet:
+    """How --memory divided (smoe.engine.budget.Fit.line) and, where the disk was probed,
+    how many I/O workers it got: a line each on stderr."""
+    if quiet:
+        return
+    if engine.fit is not None:
         print(engine.fit.line(), file=sys.stderr)
+    if engine.workers_line is not None:
+        print(engine.workers_line, file=sys.stderr)
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -441,7 +446,7 @@ def _ring_options(g: Any) -> None:
         default=None,
         help="ring size in experts (wins over --memory; default: what --memory leaves)",
     )
-    g.add_argument("--workers", type=int, default=4, help="I/O threads (default 4)")
+    add_workers(g)
     g.add_argument(
         "--prefill-chunk", type=int, default=64, help="prompt tokens per chunk (default 64)"
     )

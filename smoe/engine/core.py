@@ -35,7 +35,7 @@ from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
-from smoe.engine.options import EngineOptions
+from smoe.engine.options import DEFAULT_WORKERS, EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import (
@@ -100,6 +100,9 @@ class Engine(GroupAPI):
         self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
         self.max_batch = 1  # generations decoded together: options.max_batch on this device
         self.rules: Any = None  # the device's kernel rules (smoe.compute.solo_rows), or None
+        # I/O threads: options.workers, or the disk's choice when the engine opens
+        self.workers = options.workers or DEFAULT_WORKERS
+        self.workers_line: str | None = None  # how they were chosen, where a probe ran
 
     @classmethod
     def open(
@@ -117,6 +120,10 @@ class Engine(GroupAPI):
         workers and the scheduler, the model and the batcher. A failure on the way closes
         what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
         VaultError for a vault that does not verify."""
+        if self.options.workers is None:
+            self.workers, self.workers_line = await self._auto_workers()
+            if self.workers_line is not None:
+                log.info(self.workers_line)
         plan = self._check_and_plan()
         self.fit = plan.fit
         if plan.fit is not None:
@@ -179,6 +186,17 @@ class Engine(GroupAPI):
             )
         return plan
 
+    async def _auto_workers(self) -> tuple[int, str | None]:
+        """The disk's worker count and how it was chosen (a probe runs on a thread; a
+        small model needs none, and gets no thread)."""
+        from smoe.bench import probe
+
+        path = self.vault.experts_path
+        stride, size = self.vault.manifest.record.stride, path.stat().st_size
+        if size < probe.AUTO_PROBE_MIN_BYTES:
+            return DEFAULT_WORKERS, None
+        return await anyio.to_thread.run_sync(probe.auto_workers, path, stride, size)
+
     def _plan_at(self, context: int) -> RingPlan:
         """plan_ring with the options, the device and ``context`` tokens of KV room."""
         o = self.options
@@ -193,7 +211,7 @@ class Engine(GroupAPI):
             max_context=context,
             kv_bits=o.kv_bits,
             prefill_chunk=o.prefill_chunk,
-            workers=o.workers,
+            workers=self.workers,
         )
 
     async def _join_group(self, plan: RingPlan) -> RingPlan:
@@ -211,7 +229,7 @@ class Engine(GroupAPI):
         """The I/O workers, the popularity counts and the scheduler over the ring."""
         m, o = self.vault.manifest, self.options
         self.reader: RecordReader = open_reader(
-            self.vault, self.ring, workers=o.workers, direct=o.direct_io, parts=o.read_parts
+            self.vault, self.ring, workers=self.workers, direct=o.direct_io, parts=o.read_parts
         )
         if not hasattr(self, "popularity"):
             self.popularity = Popularity(self.vault)
@@ -225,8 +243,8 @@ class Engine(GroupAPI):
             self.reader,
             record_of=lambda k: m.record_index(*k),
             record_bytes=m.record.stride,
-            workers=o.workers,
-            runway=o.workers,  # each worker finds its next read queued (docs/architecture.md)
+            workers=self.workers,
+            runway=self.workers,  # each worker finds its next read queued (docs/architecture.md)
             policy=policy,
             # A ring holding every expert keeps each at its record's index: a layer's
             # experts stay in one bank (one call), as mlx-lm holds them.
@@ -273,7 +291,7 @@ class Engine(GroupAPI):
             self.vault.manifest,
             slots,
             self.dtype,
-            workers=self.options.workers,
+            workers=self.workers,
             gpu=self._device == mx.gpu,
             discrete=current_device(self._device).discrete,
             max_bank_bytes=self.options.bank_bytes,

@@ -11,6 +11,8 @@ from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
+DEFAULT_WORKERS = 4  # I/O threads where none are asked for and the disk is not probed
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -23,7 +25,9 @@ class EngineOptions:
     # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
     # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
-    workers: int = 4  # I/O threads
+    # I/O threads; None: chosen for the disk when the engine opens (smoe.bench.probe.
+    # auto_workers: a short probe per disk, cached; 4 for a model under 1 GiB)
+    workers: int | None = None
     read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 on GPU
     prefill_chunk: int = 64
@@ -59,7 +63,7 @@ class EngineOptions:
             raise SmoeError("prefill_chunk must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
-        if self.workers < 1:
+        if self.workers is not None and self.workers < 1:
             raise SmoeError("workers must be at least 1")
         if self.read_parts is not None and self.read_parts < 1:
             raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
