@@ -278,3 +278,14 @@ async def test_opening_never_waits_for_a_held_lock(shared_vault, tmp_path):
         t.join(timeout=60)  # only a regression waits: then it fails instead of hanging
     t.join()
     assert len(got) == 1 and np.array_equal(got[0], np.ones(pop.counts.shape))
+
+
+async def test_counts_add_per_layer_whether_a_layer_comes_once_or_again(shared_vault, tmp_path):
+    pop = Popularity(fresh_copy(shared_vault, tmp_path))
+    layers, e = pop.layers, pop.counts.shape[1]
+    counts = np.arange(len(layers) * e).reshape(len(layers), e)
+    pop.add_counts(layers[::-1], counts[::-1])  # a pass: each layer once, in any order
+    assert np.array_equal(pop.session, counts)
+    pop.add_counts([layers[0], layers[0]], np.ones((2, e)))  # the same layer twice: both add
+    assert np.array_equal(pop.session[0], counts[0] + 2)
+    assert np.array_equal(pop.session[1:], counts[1:])

@@ -90,7 +90,11 @@ class Popularity:
 
     def add_counts(self, layers: list[int], counts: np.ndarray) -> None:
         """Add per-expert counts [len(layers), E] of the given MoE layers."""
-        np.add.at(self.session, [self._pos[layer] for layer in layers], counts)
+        rows = [self._pos[layer] for layer in layers]
+        if len(set(rows)) == len(rows):  # a pass names each layer once: a plain add
+            self.session[rows] += counts  # (np.add.at costs ~240 us a token at 16 x 128)
+        else:
+            np.add.at(self.session, rows, counts)
 
     def hottest(self, n: int) -> list[tuple[int, int]]:
         """The ``n`` most requested (layer, expert) keys, history and this run together."""
