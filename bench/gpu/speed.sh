@@ -8,8 +8,10 @@
 #   io        `smoe bench io` streamer / raw at 1/4/8/16 workers, quiet and busy, staged and
 #             unified, with its A/A control
 #   profile   where a streamed step's time goes (bench/step_profile.py) at 25% and 100%
-#   overhead  resident decode taken apart: runner loop, Engine.generate, mlx-lm, and the
-#             graph's build time and size (bench/resident_overhead.py)
+#   overhead  resident decode taken apart: runner loop, Engine.generate, mlx-lm, the graph's
+#             build time and size, and a generate_step-shaped loop on each model on the
+#             default stream and on mlx-lm's generation stream (bench/resident_overhead.py;
+#             the q235 vault and the trained demo)
 #   first     the first reply of `smoe chat` on the demo with an empty MLX kernel cache
 #             (TMPDIR), against the next, with and without the warm-up (.ci/chat_once.py)
 # JSON goes to $OUT, the log to $OUT/speed.log.
@@ -49,7 +51,10 @@ for step in $STEPS; do
         > "$OUT/step_profile_${m%\%}.json"
     done ;;
   overhead)
-    python3 bench/resident_overhead.py "$V" --device gpu > "$OUT/resident_overhead.json" ;;
+    python3 bench/resident_overhead.py "$V" --device gpu --rounds ${OV_ROUNDS:-3} \
+      > "$OUT/resident_overhead.json"
+    python3 bench/resident_overhead.py "$(python3 -c 'from smoe.chat.demo import demo_vault
+print(demo_vault())')" --device gpu --rounds ${OV_ROUNDS:-3} > "$OUT/resident_overhead_demo.json" ;;
   first)
     for warm in "" "--no-warm-up"; do
       for run in cold again; do
