@@ -12,7 +12,8 @@ import json
 import random
 import statistics
 
-from smoe.bench.io import baseline_run, drop_file_cache, streamer_run
+from smoe.bench.io import streamer_run
+from smoe.io.disk_probe import baseline_run, drop_file_cache
 from smoe.vault.format import Vault
 
 

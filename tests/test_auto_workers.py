@@ -1,4 +1,4 @@
-"""--workers auto: the I/O thread count chosen for the disk (smoe.bench.probe.auto_workers)."""
+"""--workers auto: the I/O thread count chosen for the disk (smoe.io.disk_probe)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ import json
 
 import pytest
 
-import smoe.bench.probe as probe
-from smoe.bench.probe import AUTO_PROBE_MIN_BYTES, auto_workers, choose_workers, probe_workers
+import smoe.io.disk_probe as probe
 from smoe.commands.options import worker_count
 from smoe.engine import Engine
-from smoe.engine.options import DEFAULT_WORKERS
+from smoe.io.disk_probe import (
+    AUTO_PROBE_MIN_BYTES,
+    DEFAULT_WORKERS,
+    auto_workers,
+    choose_workers,
+    probe_workers,
+)
 from tests.conftest import tiny_vault
 
 

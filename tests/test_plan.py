@@ -18,9 +18,9 @@ from smoe.bench.forecast import (
     routing_probabilities,
     serial_read_s,
 )
-from smoe.bench.probe import probe_disk
 from smoe.engine import Engine
 from smoe.engine.ring_plan import budget_parts, current_device, ring_kind, slot_bytes
+from smoe.io.disk_probe import probe_disk
 from smoe.util.loop import run
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.source import open_model

@@ -20,9 +20,9 @@ import random
 from typing import Any
 
 from smoe.bench.generate import budget_slots, random_prompt
-from smoe.bench.io import baseline_run, drop_file_cache
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
+from smoe.io.disk_probe import baseline_run, drop_file_cache
 from smoe.vault.format import Vault
 
 

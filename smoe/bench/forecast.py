@@ -1,5 +1,6 @@
 """`smoe plan`'s speed model: hit rates from routing curves, then decode and prefill
-tok/s bands and the cold-fill time from the disk and compute probes (smoe.bench.probe).
+tok/s bands and the cold-fill time from the disk and compute probes (smoe.io.disk_probe,
+smoe.bench.probe).
 Pure arithmetic (numpy); every formula is in docs/plan.md.
 
 Notation: L MoE layers of E experts, top-k per token, B bytes per record read, S ring
@@ -122,7 +123,7 @@ def forecast(
     workers: int = 4,
 ) -> dict[str, Any]:
     """Decode and prefill tok/s bands, hit rates, misses per token and the cold-fill time
-    of a ring of ``slots`` (docs/plan.md). ``disk``: probe_disk's GB/s (low, median,
+    of a ring of ``slots`` (docs/plan.md). ``disk``: smoe.io.disk_probe.probe_disk's GB/s (low, median,
     high); ``compute``: probe_compute's seconds per decode token and per prefill token;
     ``workers``: the engine's I/O threads. The probe's measured decode hit rates, reads
     per decoded token and per prefill chunk (at this ring, where recorded) widen the

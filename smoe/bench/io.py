@@ -25,7 +25,6 @@ import concurrent.futures
 import math
 import multiprocessing
 import os
-import queue
 import random
 import threading
 import time
@@ -33,87 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from smoe.errors import SmoeError
 from smoe.io.direct import DirectReader
 from smoe.io.direct_file import open_direct, split_record
-from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+from smoe.io.disk_probe import RunResult, baseline_run, drop_file_cache
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
-
-
-@dataclass
-class RunResult:
-    records: int
-    bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9
-
-
-def drop_file_cache(path: Path) -> None:
-    """Ask the kernel to forget the file's cached pages (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def baseline_run(
-    path: Path, stride: int, records: list[int], workers: int, buffers: int = 1
-) -> RunResult:
-    """N threads of raw preadv over a shared list of record indices. Each thread lands its
-    reads in ``buffers`` buffers in turn (1: the same one every time)."""
-    fd, _ = open_direct(path)
-    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for r in records:
-        todo.put(r)
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        # The same kind of memory as the ring: aligned for O_DIRECT, on huge pages.
-        raw = np.zeros(buffers * stride + HUGE_PAGE, dtype=np.uint8)
-        start = (-int(raw.ctypes.data)) % HUGE_PAGE
-        advise_huge_pages(int(raw.ctypes.data), raw.nbytes)
-        whole = raw[start : start + buffers * stride].data
-        turn = 0
-        try:
-            while True:
-                try:
-                    r = todo.get_nowait()
-                except queue.Empty:
-                    return
-                view = whole[(turn % buffers) * stride : (turn % buffers + 1) * stride]
-                turn += 1
-                done = 0
-                while done < stride:
-                    n = os.preadv(fd, [view[done:]], r * stride + done)
-                    if n <= 0:
-                        raise OSError(f"short read at record {r}")
-                    done += n
-        except BaseException as e:  # reported after join
-            errors.append(e)
-        finally:
-            whole.release()
-
-    threads = [threading.Thread(target=worker, name=f"baseline-{i}") for i in range(workers)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - start
-    os.close(fd)
-    if errors:
-        raise errors[0]
-    return RunResult(len(records), len(records) * stride, seconds)
 
 
 class _Committer:

@@ -3,7 +3,7 @@ it will run there (docs/plan.md).
 
 The fit is the engine's own arithmetic (smoe.engine.budget through ring_plan's parts), from
 config.json and safetensors headers; the speed is smoe.bench.forecast's model over a disk
-probe and a compute probe (smoe.bench.probe) and the routing curves at hand (the vault's
+probe (smoe.io.disk_probe) and a compute probe (smoe.bench.probe) and the routing curves at hand (the vault's
 popularity counts, else published locality).
 """
 
@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 from smoe.bench.forecast import Shape, forecast, routing_probabilities
-from smoe.bench.probe import auto_workers, probe_compute, probe_disk, recorded_compute
+from smoe.bench.probe import probe_compute, recorded_compute
 from smoe.engine.budget import (
     KV_BITS,
     KV_STEP,
@@ -32,7 +32,6 @@ from smoe.engine.budget import (
     pick_context,
     suggest_at_least,
 )
-from smoe.engine.options import DEFAULT_WORKERS
 from smoe.engine.ring_plan import (
     Device,
     available_memory,
@@ -46,6 +45,7 @@ from smoe.engine.ring_plan import (
     slot_bytes,
 )
 from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
 from smoe.vault.names import MANIFEST
 
@@ -59,7 +59,7 @@ class PlanOptions:
     kv_bits: int | None = None  # 4 or 8: mlx-lm's quantized KV cache
     max_batch: int = 1  # sequences decoded together (KV caches kept)
     prefill_chunk: int = 64
-    workers: int | None = None  # None: the engine's choice for the disk (probe.auto_workers)
+    workers: int | None = None  # None: the engine's choice for the disk (disk_probe.auto_workers)
 
     @property
     def io_workers(self) -> int:

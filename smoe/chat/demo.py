@@ -9,26 +9,18 @@ The vault takes a few seconds to convert on the first start; later starts reuse 
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from smoe.errors import SmoeError, VaultError
+from smoe.util.cache import cache_dir
 from smoe.vault.format import Vault
 
 DEMO_NAME = "demo-kjv-qwen3-moe-v2"
 DEMO_SOURCE = Path(__file__).parent / "demo_model"
 # Vaults of earlier demos, removed when the current one is built (they are ours, in our cache).
 OLD_DEMOS = ("demo-qwen3-moe-v1",)
-
-
-def cache_dir() -> Path:
-    """$SMOE_CACHE, else $XDG_CACHE_HOME/smoe, else ~/.cache/smoe."""
-    if os.environ.get("SMOE_CACHE"):
-        return Path(os.environ["SMOE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "smoe"
 
 
 def demo_vault(progress: Callable[[str], None] | None = None) -> Path:

@@ -266,7 +266,7 @@ def _expand(path: str) -> str:
 
 
 def history_file() -> History:
-    from smoe.chat.demo import cache_dir
+    from smoe.util.cache import cache_dir
 
     path = cache_dir() / "chat_history"
     try:

@@ -35,7 +35,7 @@ from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
-from smoe.engine.options import DEFAULT_WORKERS, EngineOptions
+from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.ring_plan import (
@@ -50,6 +50,8 @@ from smoe.engine.ring_plan import (
 )
 from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
 from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.io import disk_probe
+from smoe.io.disk_probe import DEFAULT_WORKERS
 from smoe.io.open import open_reader
 from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
@@ -189,13 +191,11 @@ class Engine(GroupAPI):
     async def _auto_workers(self) -> tuple[int, str | None]:
         """The disk's worker count and how it was chosen (a probe runs on a thread; a
         small model needs none, and gets no thread)."""
-        from smoe.bench import probe
-
         path = self.vault.experts_path
         stride, size = self.vault.manifest.record.stride, path.stat().st_size
-        if size < probe.AUTO_PROBE_MIN_BYTES:
+        if size < disk_probe.AUTO_PROBE_MIN_BYTES:
             return DEFAULT_WORKERS, None
-        return await anyio.to_thread.run_sync(probe.auto_workers, path, stride, size)
+        return await anyio.to_thread.run_sync(disk_probe.auto_workers, path, stride, size)
 
     def _plan_at(self, context: int) -> RingPlan:
         """plan_ring with the options, the device and ``context`` tokens of KV room."""

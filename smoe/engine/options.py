@@ -11,8 +11,6 @@ from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
-DEFAULT_WORKERS = 4  # I/O threads where none are asked for and the disk is not probed
-
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -25,7 +23,7 @@ class EngineOptions:
     # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
     # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
-    # I/O threads; None: chosen for the disk when the engine opens (smoe.bench.probe.
+    # I/O threads; None: chosen for the disk when the engine opens (smoe.io.disk_probe.
     # auto_workers: a short probe per disk, cached; 4 for a model under 1 GiB)
     workers: int | None = None
     read_parts: int | None = None  # parts a record is read in at once (None: one per 2 MB, <= 4)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as _dt
-import os
 from pathlib import Path
 from typing import Any
 
 import smoe
 from smoe.errors import VaultError
 from smoe.models.topology import TOP_K_KEYS, Topology, load_config, normalize_config
+from smoe.util.cache import cache_dir
 from smoe.vault.checks import Check
 from smoe.vault.format import Vault
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
@@ -37,14 +37,6 @@ from smoe.vault.packing import projection_packing
 from smoe.vault.source_index import CONVERT, SourceIndex
 
 SOURCES_DIR = "sources"  # under the cache root: one directory per opened source
-
-
-def cache_root() -> Path:
-    """$SMOE_CACHE, else $XDG_CACHE_HOME/smoe, else ~/.cache/smoe (as the demo's)."""
-    if os.environ.get("SMOE_CACHE"):
-        return Path(os.environ["SMOE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "smoe"
 
 
 def is_checkpoint_folder(path: Path) -> bool:
@@ -76,7 +68,7 @@ class Source(Vault):
 
     ``manifest`` is made in memory from the index (its checksums are zeros: there are none
     to check); ``index`` says where each record's bytes lie. ``config()`` is config.json as
-    mlx-lm reads it. ``stats_dir`` is in the cache (``cache_root()/sources/<key>``).
+    mlx-lm reads it. ``stats_dir`` is in the cache (``cache_dir()/sources/<key>``).
     ``backbone_path`` and ``experts_path`` name the first shard, for messages and the
     conversation fingerprint; the backbone is loaded from every shard by mlx-lm.
     """
@@ -87,7 +79,7 @@ class Source(Vault):
         super().__init__(path, manifest)
         self.index = index
         self._config = config
-        self.cache_dir = cache_root() / SOURCES_DIR / _cache_key(path, index)
+        self.cache_dir = cache_dir() / SOURCES_DIR / _cache_key(path, index)
 
     has_checksums = False  # the shards carry none: ``smoe convert`` makes a checked vault
 
