@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,31 +53,22 @@ def vault(tmp_path_factory):
     return convert(src, root / "v", ConvertOptions(dtype="float32")).path
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "smoe.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+def _smallest(run_cli, vault: Path, *kv: str) -> int:
+    code, out, err = run_cli("plan", vault, "--no-compute", "--json", "--context", CONTEXT, *kv)
+    assert code == 0, err
+    return int(json.loads(out)["smallest_memory_bytes"])
 
 
-def _smallest(vault: Path, *kv: str) -> int:
-    r = _cli("plan", str(vault), "--no-compute", "--json", "--context", str(CONTEXT), *kv)
-    assert r.returncode == 0, r.stderr
-    return int(json.loads(r.stdout)["smallest_memory_bytes"])
-
-
-def test_a_long_context_runs_inside_a_container_of_its_budget(vault):
-    smallest_q8 = _smallest(vault, "--kv-bits", "8")
+def test_a_long_context_runs_inside_a_container_of_its_budget(vault, run_cli):
+    smallest_q8 = _smallest(run_cli, vault, "--kv-bits", "8")
 
     generate = ["generate", str(vault), "--prompt-ids", ",".join(map(str, PROMPT))]
     generate += ["--max-tokens", "8", "--max-context", str(CONTEXT), "--json"]
     generate += ["--memory", str(smallest_q8)]
-    refused = _cli(*generate)  # a float cache at the 8-bit budget
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    named = re.search(r"smallest that works is --memory (\d+)MB", refused.stderr)
-    assert named is not None, refused.stderr  # the float cache's extra 72 MB, named
+    code, _, err = run_cli(*generate)  # a float cache at the 8-bit budget: in-process
+    assert code == 2 and "Traceback" not in err
+    named = re.search(r"smallest that works is --memory (\d+)MB", err)
+    assert named is not None, err  # the float cache's extra 72 MB, named
     assert int(named.group(1)) * 10**6 - smallest_q8 > 60 * 10**6
 
     run = limited(
