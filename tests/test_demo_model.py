@@ -84,7 +84,7 @@ async def test_held_out_text_scores_far_better_than_random_weights(demo, tmp_pat
     source = synthesize(tmp_path / "random", arch="qwen3_moe", preset="demo", seed=0)
     random_vault = convert(source, tmp_path / "rv", ConvertOptions(dtype="float32"))
     random_tok = AutoTokenizer.from_pretrained(str(source))
-    head = HELD_OUT[:2000]  # per byte, so a prefix compares (and the random model is slow)
+    head = HELD_OUT[:600]  # per byte, so a prefix compares (random: 45.7 bits, far off the bar)
     rand = await bits_per_byte(random_vault.path, tokens_of(random_tok, head), head)
     print(json.dumps({"trained_bits_per_byte": trained, "random_bits_per_byte": rand}))
     assert trained < MAX_BITS_PER_BYTE < rand / 2

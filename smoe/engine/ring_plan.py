@@ -328,6 +328,11 @@ def plan_ring(
     if slots is not None:
         if slots < top_k:
             raise SmoeError(f"slots={slots} is below one token's top-{top_k}; use {top_k} or more")
+        if slots > m.num_records:  # a slot past the last record holds nothing, ever
+            raise SmoeError(
+                f"slots={slots} is more than the {m.num_records} experts this model has; "
+                f"use at most {m.num_records} (a ring of every expert)"
+            )
         count = int(slots)
     elif memory is None:
         count = slots_for_budget(
