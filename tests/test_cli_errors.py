@@ -195,6 +195,21 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
     assert_clean_error(code, err, needle)
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve", "--port", "70000"], "--port 70000 is not a TCP port"),  # served on 4464
+        (["serve", "--port", "-1"], "--port -1 is not a TCP port"),
+        (["serve", "--api-key", ""], "--api-key is empty"),  # silently asked no key
+        (["serve", "--api-key", "  "], "--api-key is empty"),
+    ],
+)
+def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):
+    """Issue 30: before loading anything, one line, exit 2."""
+    code, _, err = run_cli(*argv)
+    assert_clean_error(code, err, needle)
+
+
 def test_version_names_smoe_and_mlx(run_cli, capsys):
     with pytest.raises(SystemExit) as done:
         run_cli("--version")

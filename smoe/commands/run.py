@@ -214,6 +214,16 @@ async def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_serve_address(port: int, api_key: str | None) -> None:
+    """Refuse what the OS or the server would silently change (SmoeError naming the fix):
+    a port outside 0..65535 (the kernel keeps its low 16 bits: 70000 served on 4464), and
+    an empty --api-key (no key would be asked at all)."""
+    if not 0 <= port <= 65535:
+        raise SmoeError(f"--port {port} is not a TCP port; give 1-65535 (0: any free port)")
+    if api_key is not None and not api_key.strip():
+        raise SmoeError("--api-key is empty, which would ask no key at all; give a key or drop it")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from smoe.util.loop import run
 
@@ -226,6 +236,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from smoe.util.sizes import parse_size
 
     _log_to_stderr(args.log_level)
+    check_serve_address(args.port, args.api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
