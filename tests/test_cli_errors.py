@@ -210,6 +210,18 @@ def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):
     assert_clean_error(code, err, needle)
 
 
+def test_a_port_in_use_is_one_line_before_loading(run_cli):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_cli("serve", "--port", port)  # the demo: refused before it loads
+    assert_clean_error(code, err, f"port {port} on 127.0.0.1 is in use")
+    assert "give another --port" in err
+
+
 def test_version_names_smoe_and_mlx(run_cli, capsys):
     with pytest.raises(SystemExit) as done:
         run_cli("--version")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import openai
@@ -647,3 +648,22 @@ async def test_root_metrics_ps_and_an_access_line_per_request(vault, caplog):
     assert any(x.startswith("POST /v1/completions 200 ") and x.endswith(" 3 tokens") for x in lines)
     assert any(x.startswith("GET /metrics 401 ") for x in lines)
     assert not any("secret" in x or "sekrit" in x for x in lines)
+
+
+def _listening() -> socket.socket:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    return taken
+
+
+@pytest.mark.asyncio
+async def test_a_port_taken_after_the_check_is_one_error_at_bind(vault):
+    from smoe.errors import SmoeError
+    from smoe.serve.app import serve
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        async with Engine.open(vault.path) as engine:
+            with pytest.raises(SmoeError, match=f"port {port} on 127.0.0.1 is in use"):
+                await serve(engine, "127.0.0.1", port, ServerOptions())

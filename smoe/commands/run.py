@@ -224,6 +224,28 @@ def check_serve_address(port: int, api_key: str | None) -> None:
         raise SmoeError("--api-key is empty, which would ask no key at all; give a key or drop it")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """SmoeError naming the fix if ``host``:``port`` cannot be listened on now (the server
+    binds again once loaded; this only saves a user the loading time)."""
+    import socket
+
+    from smoe.serve.app import bind_failure
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise SmoeError(f"cannot resolve --host {host} ({e}); give an address or a name") from e
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise SmoeError(bind_failure(host, port, e)) from e
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from smoe.util.loop import run
 
@@ -237,6 +259,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     _log_to_stderr(args.log_level)
     check_serve_address(args.port, args.api_key)
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import errno
 import logging
 import time
 import uuid
@@ -572,6 +573,18 @@ def _line(e: object) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def bind_failure(host: str, port: int, error: OSError) -> str:
+    """One line for a host and port the server cannot listen on, naming the fix."""
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is in use (another server?); give another --port (0: any free)"
+        )
+    if error.errno == errno.EACCES:
+        return f"port {port} on {host} needs privileges; give a --port of 1024 or more"
+    reason = error.strerror or error
+    return f"cannot listen on {host}:{port} ({reason}); check --host and --port"
+
+
 async def serve(
     engine: Engine,
     host: str,
@@ -583,7 +596,7 @@ async def serve(
     """Serve until cancelled; ``ready(port)`` is called once listening (port 0 picks one).
     A client that disconnects cancels its handler (and so its generation after the step
     in progress). ``server``: a Server made by the caller (benchmarks inspect it).
-    Raises OSError if ``host``/``port`` cannot be bound; a request's failure never escapes
+    Raises SmoeError (one line naming the fix) if ``host``/``port`` cannot be bound; a request's failure never escapes
     (it becomes that request's 4xx or 5xx, see the module doc)."""
     server = server or Server(engine, options)
     if options.prewarm_when_idle:
@@ -595,7 +608,11 @@ async def serve(
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, logger=http_log)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise SmoeError(bind_failure(host, port, e)) from e
     if options.prewarm_when_idle:
         engine.prewarm()  # idle from the start
     if ready is not None:
