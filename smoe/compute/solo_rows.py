@@ -126,8 +126,10 @@ def float_rows_at_once(kernel: str, x: mx.array, weight: mx.array) -> mx.array:
 
 
 def _is_quantized(module: nn.Module) -> bool:
+    # A Module is a dict of its parameters and children: its values, not children()
+    # (which builds a dict), keep this check cheap on every expert call (~1.7 us, was 7).
     return "scales" in module or any(
-        isinstance(child, nn.Module) and "scales" in child for child in module.children().values()
+        isinstance(child, nn.Module) and "scales" in child for child in module.values()
     )
 
 
@@ -140,15 +142,18 @@ class RowPieces(nn.Module):
         super().__init__()
         self.inner = inner
         object.__setattr__(self, "_quantized", _is_quantized(inner))
+        # A plain attribute: a lone request pays for this wrapper on every call (the
+        # Module lookup of ``self.inner`` costs ~1 us more, and decode is host-bound).
+        object.__setattr__(self, "_inner", inner)
 
     @property
     def weight(self) -> mx.array:  # routers are found by their weight (speculation, taps)
         return self.inner["weight"]  # type: ignore[no-any-return]
 
     def __call__(self, x: mx.array) -> Any:
-        rules = active_rules()
+        rules = _ACTIVE.get()
         if rules is None:
-            return self.inner(x)
+            return self._inner(x)
         if rules.float_kernel and self._plain_float_linear():
             return float_rows_at_once(rules.float_kernel, x, self.inner["weight"])
         return in_pieces(self.inner, x, rules.dense_rows(self._quantized))
