@@ -49,6 +49,7 @@ from smoe.engine.ring_plan import (
     plan_ring,
 )
 from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
+from smoe.engine.tokenizer import load_tokenizer
 from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
@@ -353,16 +354,8 @@ class Engine(GroupAPI):
         )
 
     def _load_tokenizer(self) -> Any:
-        from mlx_lm.utils import load_tokenizer
-
-        if (
-            not (self.vault.path / "tokenizer_config.json").exists()
-            and not (self.vault.path / "tokenizer.json").exists()
-        ):
-            return None
         eos = self.vault.config().get("eos_token_id")
-        eos = [eos] if isinstance(eos, int) else eos
-        return load_tokenizer(self.vault.path, eos_token_ids=eos)  # type: ignore[no-untyped-call]
+        return load_tokenizer(self.vault.path, [eos] if isinstance(eos, int) else eos)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
