@@ -14,6 +14,7 @@ import contextlib
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -90,6 +91,20 @@ def _interrupts_stop_the_command() -> Iterator[None]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Warnings (ours say what was wrong and what was done, e.g. popularity counts that
+    could not be kept) print as one line each, not with the source line Python adds,
+    which reads as a traceback; the caller's warning settings come back afterwards."""
+
+    def show(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        print(f"smoe {command}: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -100,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        with _interrupts_stop_the_command():
+        with _interrupts_stop_the_command(), _warnings_as_lines(args.command):
             return int(args.func(args))
     except SmoeError as e:
         print(f"smoe {args.command}: error: {e}", file=sys.stderr)

@@ -125,7 +125,11 @@ class Popularity:
                 with atomic_write(self.path, keep_suffix=True) as f:
                     np.savez(f, counts=merged)
         except OSError as e:
-            warnings.warn(f"cannot keep expert popularity in {self.path} ({e})", stacklevel=2)
+            warnings.warn(
+                f"cannot keep expert popularity in {self.path} ({e}): make "
+                f"{self.path.parent} a writable folder to keep it",
+                stacklevel=2,
+            )
             return None
         self.counts, self.session = merged, np.zeros_like(merged)
         return self.path

@@ -1,5 +1,6 @@
-"""A vault's tokenizer files are untrusted input (issue 30): truncated, binary or missing
-ones end the command with one line naming the file and the fix, never a traceback."""
+"""Files a vault carries but does not sign are untrusted input (issue 30): truncated,
+binary or missing tokenizer files end the command with one line naming the file and the
+fix, and popularity counts that cannot be kept warn in one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -77,3 +78,25 @@ def test_json_that_is_not_an_object_is_refused(vault_dir: Path, tmp_path: Path) 
     copy = damaged(vault_dir, tmp_path, "special_tokens_map.json", b"[1, 2]")
     with pytest.raises(VaultError, match="does not hold a JSON object"):
         check_tokenizer_files(copy)
+
+
+@pytest.mark.parametrize("broken", ["stats is a file", "popularity.npz is a folder"])
+def test_unkept_popularity_warns_in_one_line(
+    vault_dir: Path, tmp_path: Path, run_cli, broken: str
+) -> None:
+    """The run works; each warning is one line naming the fix, without the source line
+    Python prints with a warning (which read as a traceback)."""
+    copy = tmp_path / "v"
+    shutil.copytree(vault_dir, copy)
+    shutil.rmtree(copy / "stats", ignore_errors=True)
+    if broken == "stats is a file":
+        (copy / "stats").write_text("")
+    else:
+        (copy / "stats" / "popularity.npz").mkdir(parents=True)
+    code, out, err = run_cli("generate", copy, "--prompt", "t5 t6", "--max-tokens", "2")
+    assert code == 0 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    warned = [line for line in lines if line.startswith("smoe generate: warning: ")]
+    assert warned and all(not line.startswith(" ") for line in lines)
+    if broken == "stats is a file":
+        assert any("writable folder" in line for line in warned)
