@@ -376,6 +376,26 @@ def test_bad_shard_requests_and_entries_are_one_line_errors(vault, shards, tmp_p
             Vault.open(bad)
 
 
+def test_a_shard_run_alone_is_one_line_naming_distributed(shards, tmp_path, run_cli):
+    """Was IndexError "expert 0 of layer 0 is not in this shard" at the first token, also for
+    a shard relabelled as the other rank and re-signed (issue 30)."""
+    import shutil
+
+    from smoe.vault.manifest import sign_manifest
+
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(shards[0].path, relabelled)
+    d = json.loads((relabelled / "manifest.json").read_text())
+    d["shard"]["rank"] = 1
+    d.pop("manifest_checksum")
+    (relabelled / "manifest.json").write_text(json.dumps(sign_manifest(d)))
+    for path, rank in [(shards[0].path, 0), (shards[1].path, 1), (relabelled, 1)]:
+        code, out, err = run_cli("generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+        assert code == 2 and out == "", (out, err)
+        assert f"shard of rank {rank} of 2" in err and "--distributed" in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_two_ranks_on_their_shards_compute_the_full_vaults_bits(vault, shards, tmp_path):
     prompt = _prompt(40, seed=6)
     out = tmp_path / "out"

@@ -50,7 +50,7 @@ from smoe.engine.ring_plan import (
 )
 from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
 from smoe.engine.tokenizer import load_tokenizer
-from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.errors import BudgetTooSmall, SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
 from smoe.io.open import open_reader
@@ -123,6 +123,7 @@ class Engine(GroupAPI):
         workers and the scheduler, the model and the batcher. A failure on the way closes
         what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
         VaultError for a vault that does not verify."""
+        self._check_shard_alone()
         if self.options.workers is None:
             self.workers, self.workers_line = await self._auto_workers()
             if self.workers_line is not None:
@@ -156,6 +157,16 @@ class Engine(GroupAPI):
         )
         self._opened = True
         return self
+
+    def _check_shard_alone(self) -> None:
+        """A shard holds one rank's experts: alone it would fail at the first expert it lacks."""
+        shard = self.vault.manifest.shard
+        if shard is not None and self.options.distributed is None:
+            raise VaultError(
+                f"{self.vault.path} is the shard of rank {shard.rank} of {shard.ranks} (some "
+                f"experts only): run every rank's shard with mlx.launch and --distributed "
+                f"(docs/distributed.md), or run the full vault"
+            )
 
     def _check_and_plan(self) -> RingPlan:
         """Options checked, device and dtype chosen, the ring planned: nothing started."""
