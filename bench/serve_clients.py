@@ -4,6 +4,7 @@ against one request at a time, measured in the same run.
     python bench/serve_clients.py VAULT [--clients 1,2,4,8] [--max-tokens 32]
                                         [--prompt-tokens 16] [--memory SIZE] [--text FILE]
                                         [--fill] [--solo-rows auto|on|off]
+                                        [--client-process]
 
 Starts the server in-process on a free port and drives it over HTTP (aiohttp). For
 each client count it runs the batched server (max_batch 8) and the one-at-a-time server
@@ -14,7 +15,10 @@ whether every client got the same completion both ways. Every client asks for ex
 --max-tokens (no stop at EOS). Prints JSON; total_tok_s counts completion tokens over
 the wall time of the whole round, prefill included. --fill reads every expert first (a
 ring that holds them all: the resident case); --solo-rows sets the kernel rules
-(smoe.compute.solo_rows; auto: the device's).
+(smoe.compute.solo_rows; auto: the device's). --client-process runs the clients in a
+process of their own, off the server's event loop and GIL, as real clients are. Each run's
+``steps`` is the engine's step timeline for it (smoe.compute.timeline: medians by rows of
+the host's build, queue and wait per step, the step's period, and the loop's share).
 """
 
 import argparse
@@ -33,6 +37,52 @@ from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
 
 
+async def stream_one(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> tuple[int, float, str]:
+    """Stream one completion; return (completion tokens, time to first token, text)."""
+    start = time.perf_counter()
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    ttft, tokens, text = None, 0, []
+    async with http.post(url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                text.append(chunk["choices"][0]["text"])
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, ttft or 0.0, "".join(text)
+
+
+async def drive(
+    url: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[tuple[int, float, str]]]:
+    """Every prompt's stream at once; (wall seconds, each stream's result)."""
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(http, url, p, max_tokens) for p in prompts))
+        return time.perf_counter() - start, list(results)
+
+
+def drive_in_process(
+    url: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[tuple[int, float, str]]]:
+    """``drive`` in a client process of its own (--client-process)."""
+    return smoe.util.loop.run(drive(url, prompts, max_tokens))
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("vault")
@@ -48,6 +98,12 @@ async def main() -> None:
     p.add_argument("--text", default=None, help="prompts cut from this text file")
     p.add_argument("--fill", action="store_true", help="read every expert before timing")
     p.add_argument("--solo-rows", default="auto", choices=["auto", "on", "off"])
+    p.add_argument(
+        "--client-process",
+        action="store_true",
+        help="run the clients in a process of their own (as real clients are), not on the "
+        "server's event loop",
+    )
     args = p.parse_args()
     solo = {"auto": None, "on": True, "off": False}[args.solo_rows]
     rng = random.Random(0)
@@ -66,32 +122,13 @@ async def main() -> None:
         options = ServerOptions(max_queue=64, prewarm_when_idle=False, cached_sequences=0)
         task = loop.create_task(serve(engine, "127.0.0.1", 0, options, ready=port.set_result))
         url = f"http://127.0.0.1:{await port}/v1/completions"
-        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        clients = None
+        if args.client_process:
+            import concurrent.futures
+            import multiprocessing
 
-        async def one(prompt: list[int]) -> tuple[int, float, str]:
-            """Stream one completion; return (completion tokens, time to first token, text)."""
-            start = time.perf_counter()
-            body = {
-                "prompt": prompt,
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            ttft, tokens, text = None, 0, []
-            async with http.post(url, json=body) as r:
-                r.raise_for_status()
-                async for line in r.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        text.append(chunk["choices"][0]["text"])
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            return tokens, ttft or 0.0, "".join(text)
+            spawn = multiprocessing.get_context("spawn")
+            clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn)
 
         async def round_(n: int, batch: int, prompts: list[list[int]]) -> dict:
             engine.batcher.max_batch = batch
@@ -101,9 +138,13 @@ async def main() -> None:
                 engine.batcher.steps,
                 engine.batcher.step_rows,
             )
-            start = time.perf_counter()
-            results = await asyncio.gather(*(one(pr) for pr in prompts))
-            seconds = time.perf_counter() - start
+            engine.debug.runner.timeline.clear()
+            if clients is None:
+                seconds, results = await drive(url, prompts, args.max_tokens)
+            else:
+                seconds, results = await loop.run_in_executor(
+                    clients, drive_in_process, url, prompts, args.max_tokens
+                )
             tokens = sum(t for t, _, _ in results)
             steps = engine.batcher.steps - steps0
             return {
@@ -115,6 +156,7 @@ async def main() -> None:
                 "mean_ttft_s": round(sum(t for _, t, _ in results) / n, 3),
                 "rows_per_step": round((engine.batcher.step_rows - rows0) / max(steps, 1), 2),
                 "mb_read_per_token": round((sched.bytes_read() - bytes0) / tokens / 1e6, 2),
+                "steps": engine.stats().steps,
                 "texts": [x for _, _, x in results],
             }
 
@@ -145,11 +187,14 @@ async def main() -> None:
                 flush=True,
                 file=sys.stderr,
             )
-        await http.close()
+        if clients is not None:
+            clients.shutdown()
         task.cancel()
-        single = next(r["total_tok_s"] for r in rows if r["clients"] == 1 and r["max_batch"] > 1)
+        single = next(
+            (r["total_tok_s"] for r in rows if r["clients"] == 1 and r["max_batch"] > 1), None
+        )
         for r in rows:
-            if r["max_batch"] > 1:
+            if r["max_batch"] > 1 and single is not None:
                 r["vs_single_client"] = round(r["total_tok_s"] / single, 2)
         ring = {"slots": engine.ring.num_slots, "experts": engine.vault.manifest.num_records}
         rules = None if engine.rules is None else engine.rules.measured
@@ -164,6 +209,7 @@ async def main() -> None:
                 "kernel_rules": rules,
                 "max_tokens": args.max_tokens,
                 "prompt_tokens": args.prompt_tokens,
+                "client_process": args.client_process,
                 "runs": rows,
             },
             indent=1,

@@ -5,7 +5,9 @@
 #   fingerprint  which ops change a row's bits with the row count (bench/gpu/row_fingerprint.py)
 #   serve     `smoe serve` aggregate tok/s at 1, 2, 4, 8 clients, batched against one at a
 #             time, at a 5% ring and with every expert resident (bench/serve_clients.py),
-#             for the q235 vault and the trained demo (SERVE_VAULTS picks: q235 demo)
+#             for the q235 vault and the trained demo (SERVE_VAULTS picks: q235 demo;
+#             SERVE_ARGS adds options to the q235 runs, e.g. --client-process, and
+#             SERVE_TAG to their file names)
 #   draft     --draft ngram and an oracle against plain decode at 5% and 50% rings
 #             (bench/draft.py)
 #   cost      resident decode with the kernel rules against without (bench/solo_rows_cost.py)
@@ -39,7 +41,8 @@ for step in $STEPS; do
       name=${ring%\%}
       case " ${SERVE_VAULTS:-q235 demo} " in *" q235 "*)
         python3 bench/serve_clients.py "$V" --memory "$ring" $fill --clients ${CLIENTS:-1,2,4,8} \
-          --max-tokens ${SERVE_TOKENS:-32} --prompt-tokens 16 > "$OUT/serve_q235_$name.json" ;;
+          --max-tokens ${SERVE_TOKENS:-32} --prompt-tokens 16 ${SERVE_ARGS:-} \
+          > "$OUT/serve_q235_$name${SERVE_TAG:-}.json" ;;
       esac
       case " ${SERVE_VAULTS:-q235 demo} " in *" demo "*)
         python3 bench/serve_clients.py "$(demo)" --memory "$ring" $fill \

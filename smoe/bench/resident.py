@@ -83,6 +83,7 @@ async def _engine_run(
             tokens: list[int] = []
             stats = None
             built_before = engine.runner.built_ahead
+            engine.runner.timeline.clear()
             async for ev in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 if ev.token is not None:
                     tokens.append(ev.token)
@@ -96,6 +97,8 @@ async def _engine_run(
                 "bytes_read": stats.bytes_read,
                 # decode passes overlapped in this run (the counter spans the engine's life)
                 "built_ahead": engine.runner.built_ahead - built_before,
+                # where each decode step's host time went (smoe.compute.timeline)
+                "steps": engine.stats().steps,
             }
             best = _better(best, run)
         assert best is not None

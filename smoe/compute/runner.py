@@ -9,6 +9,7 @@ evaluated (MLX is lazy, so they are never computed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -19,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
 from smoe.compute.solo_rows import KernelRules, solo_rows
+from smoe.compute.timeline import StepTime, StepTimeline
 from smoe.sampling import SamplingParams as SamplingParams  # re-exported: its old home
 from smoe.util.tokens import common_prefix as common_prefix  # re-exported
 
@@ -129,6 +131,8 @@ class Runner:
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
         self.resident = resident
         self.built_ahead = 0  # decode passes queued before the previous token was read
+        self.timeline = StepTimeline()  # steps built ahead: build, queue, wait (host time)
+        self._queue_s = 0.0  # async_eval's time within the step being timed
 
     def _phase(self, phase: int) -> None:
         if self.tracer is not None:
@@ -305,6 +309,7 @@ class Runner:
     def _step_ahead(self, seq: Sequence_, more: bool) -> int:
         """``step`` with the next pass queued before this token is read back."""
         self._phase(1)
+        start, self._queue_s = time.perf_counter(), 0.0
         try:
             if seq.ahead is None:
                 token = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
@@ -319,7 +324,9 @@ class Runner:
                 nxt = self._build_step(seq, token, len(seq.tokens) + 1)
                 seq.ahead, seq.ahead_routing = nxt, self._queue(nxt)
                 self.built_ahead += 1
+            built = time.perf_counter()
             value = cast(int, token.item())  # waits for this step's pass only
+            self._time_step(1, start, built)
             if self.tracer is not None:
                 self.tracer.count(routing)
         except BaseException:
@@ -340,8 +347,17 @@ class Runner:
         """Start evaluating a built pass (its token and its routing counts); return the
         routing to count once the token has been read."""
         routing = self.tracer.take() if self.tracer is not None else None
+        start = time.perf_counter()
         mx.async_eval(token, *([routing.counts] if routing is not None else []))  # type: ignore[no-untyped-call]
+        self._queue_s += time.perf_counter() - start
         return routing
+
+    def _time_step(self, rows: int, start: float, queued: float) -> None:
+        """Note a step built ahead in the timeline: ``start`` to ``queued`` was building
+        and queueing (``_queue_s`` of it queueing), the rest until now waiting."""
+        wait = time.perf_counter() - queued
+        build = queued - start - self._queue_s
+        self.timeline.add(StepTime(rows, start, build, self._queue_s, wait))
 
     def settle(self, seq: Sequence_) -> None:
         """Drop a pass built ahead (``step``): its keys/values leave the cache, its routing
@@ -373,6 +389,7 @@ class Runner:
         when every row comes from it (rows may have left the batch since: those rows are
         settled by their next use); any other batch settles its rows and runs afresh."""
         self._phase(1)
+        start, self._queue_s = time.perf_counter(), 0.0
         try:
             built = seqs[0].ahead_pass
             if built is not None and all(s.ahead_pass is built for s in seqs):
@@ -393,7 +410,9 @@ class Runner:
                 for i, s in enumerate(seqs):
                     s.ahead, s.ahead_pass = nxt[i : i + 1], built
                 self.built_ahead += 1
+            queued = time.perf_counter()
             values = cast(list[int], now.tolist())  # waits for this step's pass only
+            self._time_step(len(seqs), start, queued)
             if self.tracer is not None:
                 self.tracer.count(routing)
         except BaseException:

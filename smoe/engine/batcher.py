@@ -171,6 +171,7 @@ class Batcher:
         on_demand: Callable[[], None] | None = None,
         on_idle: Callable[[], None] | None = None,
         draft: Callable[[Any, int, frozenset[int]], list[int]] | None = None,
+        timeline: Any = None,
     ) -> None:
         if max_batch < 1:
             raise SmoeError("max_batch must be at least 1")
@@ -184,6 +185,8 @@ class Batcher:
         # draft(seq, budget, eos): a lone decoding request's step with a verified draft
         # (Runner.step_draft); it returns 1..budget tokens. None: plain steps only.
         self.draft = draft
+        # The loop's share of each decode step (smoe.compute.timeline.StepTimeline), if given.
+        self.timeline = timeline
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: list[Ticket] = []
         self.steps = 0  # batched decode passes run
@@ -309,12 +312,19 @@ class Batcher:
 
         prefill = next_prefill(self.active)
         if prefill is not None:
+            self._timeline("idle")  # a prefill chunk between steps is not the loop's time
             await self._prefill(prefill)
             self._update(prefill)  # a prompt just done decodes in this same iteration
         ready = ready_to_decode(self.active)
         if ready:
             await self._decode(ready)
+        else:
+            self._timeline("idle")
         self._drop_cancelled()
+
+    def _timeline(self, event: str) -> None:
+        if self.timeline is not None:
+            getattr(self.timeline, event)()
 
     @staticmethod
     def _update(ticket: Ticket) -> None:
@@ -376,5 +386,9 @@ class Batcher:
         if self.draft is not None and len(ready) == 1:
             t = ready[0]
             return [await self.compute.run(self.draft, t.seq, t.max_tokens - t.generated, t.eos)]
-        tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
+        self._timeline("next_step")
+        try:
+            tokens = await self.compute.run(self.runner.step_batch, [t.seq for t in ready], more)
+        finally:
+            self._timeline("returned")
         return [[token] for token in tokens]

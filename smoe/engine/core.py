@@ -154,6 +154,7 @@ class Engine(GroupAPI):
             max_batch=self.max_batch,
             on_demand=self._demand_arrives,
             draft=self.runner.step_draft if self.runner.drafting is not None else None,
+            timeline=self.runner.timeline,
         )
         self._opened = True
         return self
@@ -452,6 +453,7 @@ class Engine(GroupAPI):
             compute_dtype_note=self._dtype_note,
             direct_io=self.reader.direct,
             draft=drafting.stats.to_json() if drafting is not None else None,
+            steps=self.runner.timeline.summary(),
         )
 
     @property

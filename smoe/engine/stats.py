@@ -46,6 +46,9 @@ class EngineStats:
     compute_dtype_note: str  # the dtype and why (smoe.compute.model.compute_dtype_note)
     direct_io: bool  # reads bypass the page cache
     draft: dict[str, Any] | None  # drafted decoding's passes and acceptance, when on
+    # Decode steps built ahead, medians by rows: build, queue, wait, period, and the event
+    # loop's share (smoe.compute.timeline.StepTimeline.summary).
+    steps: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class EngineStats:
             "compute_dtype_note": self.compute_dtype_note,
             "direct_io": self.direct_io,
             "draft": self.draft,
+            "steps": self.steps,
         }
 
 
