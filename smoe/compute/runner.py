@@ -348,7 +348,7 @@ class Runner:
         routing to count once the token has been read."""
         routing = self.tracer.take() if self.tracer is not None else None
         start = time.perf_counter()
-        mx.async_eval(token, *([routing.counts] if routing is not None else []))  # type: ignore[no-untyped-call]
+        mx.async_eval(token, *([routing.ids] if routing is not None else []))  # type: ignore[no-untyped-call]
         self._queue_s += time.perf_counter() - start
         return routing
 

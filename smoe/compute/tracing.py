@@ -111,29 +111,28 @@ class Tracer:
 
     def take(self) -> DeferredRouting | None:
         """The routing deferred since the last take (one pass's, when taken after each
-        pass is built), as a lazy per-layer histogram; evaluate ``counts`` with the pass
-        and ``count`` it then: reading it back costs one small copy, no device sync."""
+        pass is built), as the layers' chosen expert ids in one lazy array; evaluate
+        ``ids`` with the pass and ``count`` it then: reading it back costs one small copy,
+        no device sync. One device op per pass: the histogram is counted on the host
+        (each extra small kernel costs host launch time on a GPU: docs/performance.md)."""
         deferred, self.step.deferred = self.step.deferred, []
         if not deferred:
             return None
         assert self.num_experts > 0, "build_model sets num_experts"
-        ids = mx.arange(self.num_experts)
-
-        def histogram(flat: mx.array) -> mx.array:  # [..., N] ids -> [..., E] counts
-            return (flat[..., None] == ids).astype(mx.int32).sum(-2)
-
-        if len({i.shape for _, i, _ in deferred}) == 1:  # one pass: one op for all layers
-            hist = histogram(mx.stack([i.reshape(-1) for _, i, _ in deferred]))
-        else:
-            hist = mx.stack([histogram(i.reshape(-1)) for _, i, _ in deferred])
+        ids = mx.concatenate([i.reshape(-1) for _, i, _ in deferred])  # [sum of rows*k]
         rows = [i.size // i.shape[-1] for _, i, _ in deferred]
-        return DeferredRouting([(layer, src) for layer, _, src in deferred], rows, hist)
+        sizes = [i.size for _, i, _ in deferred]
+        return DeferredRouting([(layer, src) for layer, _, src in deferred], rows, ids, sizes)
 
     def count(self, routing: DeferredRouting | None) -> None:
         """Count ``routing`` (``take``'s) of a pass that has been evaluated."""
         if routing is None:
             return
-        hist = np.array(routing.counts)  # [L, E]
+        flat = np.array(routing.ids)  # [sum of rows*k]
+        bounds = np.cumsum(routing.sizes)[:-1]
+        hist = np.stack(  # [L, E]
+            [np.bincount(part, minlength=self.num_experts) for part in np.split(flat, bounds)]
+        )
         if self.observers.popularity is not None:
             self.observers.popularity.add_counts([layer for layer, _ in routing.layers], hist)
         unique = (hist > 0).sum(axis=1)
@@ -151,4 +150,5 @@ class DeferredRouting:
 
     layers: list[tuple[int, Any]]  # (MoE layer, its SlotSource), in pass order
     rows: list[int]  # tokens routed, per layer
-    counts: mx.array  # [L, E] int32: times each layer chose each expert
+    ids: mx.array  # [sum of sizes]: each layer's chosen expert ids, layer after layer
+    sizes: list[int]  # ids per layer (rows * k)
