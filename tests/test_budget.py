@@ -1,4 +1,4 @@
-"""One memory budget for the whole process (smoe.engine.budget): each part against what
+"""One memory budget for the whole process (smoe.plan.budget): each part against what
 MLX and mlx-lm actually allocate, the ring sized from what remains, and a budget too
 small refused before anything loads."""
 
@@ -16,10 +16,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from smoe.engine import Engine
-from smoe.engine.budget import Attention, backbone_bytes, default_contexts, kv_bytes
-from smoe.engine.ring_plan import Device, budget_parts, plan_ring
 from smoe.errors import SmoeError
 from smoe.models.checkpoint import safetensors_header
+from smoe.plan.budget import Attention, backbone_bytes, default_contexts, kv_bytes
+from smoe.plan.ring import Device, budget_parts, plan_ring
 from tests.conftest import tiny_vault
 
 REPO = Path(__file__).resolve().parents[1]

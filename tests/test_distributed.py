@@ -390,7 +390,9 @@ def test_a_shard_run_alone_is_one_line_naming_distributed(shards, tmp_path, run_
     d.pop("manifest_checksum")
     (relabelled / "manifest.json").write_text(json.dumps(sign_manifest(d)))
     for path, rank in [(shards[0].path, 0), (shards[1].path, 1), (relabelled, 1)]:
-        code, out, err = run_cli("generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+        code, out, err = run_cli(
+            "generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2"
+        )
         assert code == 2 and out == "", (out, err)
         assert f"shard of rank {rank} of 2" in err and "--distributed" in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1

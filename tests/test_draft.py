@@ -22,8 +22,8 @@ from smoe.compute.draft import (
 )
 from smoe.compute.runner import Runner, SamplingParams
 from smoe.engine import Engine
-from smoe.engine.options import EngineOptions
 from smoe.errors import SmoeError
+from smoe.plan.options import EngineOptions
 from tests.conftest import tiny_vault
 from tests.test_build_ahead import model  # noqa: F401  (the module's in-memory model)
 
@@ -436,7 +436,7 @@ def test_drafting_on_a_gpu_needs_the_per_row_attention():
     """Under kernel rules (a GPU) a verify pass runs attention one row at a time, which
     needs the architecture's per-row attention; the CPU drafts for any architecture."""
     from smoe.compute.solo_rows import CUDA
-    from smoe.engine.ring_plan import check_draft
+    from smoe.plan.ring import check_draft
 
     check_draft("ngram", None, batchable=False)  # the CPU
     check_draft("ngram", CUDA, batchable=True)

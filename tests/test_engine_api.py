@@ -296,7 +296,7 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
 
 @pytest.mark.asyncio
 async def test_default_budget_never_exceeds_available_memory(vault, monkeypatch):
-    import smoe.engine.ring_plan as engine_module
+    import smoe.plan.ring as engine_module
 
     m = vault.manifest
     monkeypatch.setattr(engine_module, "available_memory", lambda: None)

@@ -218,11 +218,11 @@ async def test_a_thousand_tokens_at_the_minimum_ring_under_shuffled_reads(models
 def test_kv_bits_is_refused_on_cuda_where_mlx_lm_cannot_run_it(kv_bits, models, run_cli):
     """MLX's CUDA backend has no quantized matmul for attention over a quantized cache:
     mlx-lm's own generate_step fails on a prompt chunk (when this starts to pass, MLX has
-    the kernel: lift smoe.engine.ring_plan.check_kv_bits); the engine and `smoe plan`
+    the kernel: lift smoe.plan.ring.check_kv_bits); the engine and `smoe plan`
     refuse --kv-bits there in one line, before loading anything."""
     from mlx_lm.generate import generate_step
 
-    from smoe.engine.budget import kv_group_size
+    from smoe.plan.budget import kv_group_size
 
     vault, model = models("qwen3_moe", 4)
     prompt = mx.array(np.random.default_rng(9).integers(10, 4000, 200).tolist())

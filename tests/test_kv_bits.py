@@ -233,7 +233,7 @@ def test_greedy_drafts_over_a_quantized_cache_are_plain_greedy_tokens(model, bit
 def test_a_cuda_gpu_refuses_kv_bits_in_one_line():
     """MLX's CUDA backend cannot run attention over a quantized cache (tests/test_gpu.py
     shows mlx-lm failing there); Apple's unified GPU and the CPU can."""
-    from smoe.engine.ring_plan import Device, check_kv_bits
+    from smoe.plan.ring import Device, check_kv_bits
 
     check_kv_bits(8, Device(gpu=False, discrete=False))
     check_kv_bits(4, Device(gpu=True, discrete=False))

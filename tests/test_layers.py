@@ -18,6 +18,7 @@ LAYERS = [
     {"sched"},
     {"io", "parallel", "telemetry"},
     {"compute"},
+    {"plan"},
     {"engine"},
     {"chat", "serve"},
     {"bench"},

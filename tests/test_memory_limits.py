@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import smoe.engine.ring_plan as ring_plan
-from smoe.engine.budget import backbone_bytes
-from smoe.engine.ring_plan import Device, available_memory, plan_ring
+import smoe.plan.memory as memory_module
+import smoe.plan.ring as ring_plan
+from smoe.plan.budget import backbone_bytes
+from smoe.plan.memory import available_memory
+from smoe.plan.ring import Device, plan_ring
 from smoe.vault.convert import convert
 
 GiB = 1 << 30
@@ -127,7 +129,7 @@ def test_default_ring_budget_fits_the_cgroup_limit(hf_dir, tmp_path, monkeypatch
             "user.slice/user-1000.slice/memory.current": f"{GiB}\n",
         },
     )
-    monkeypatch.setattr(ring_plan, "SYSTEM_ROOT", root)
+    monkeypatch.setattr(memory_module, "SYSTEM_ROOT", root)
     plan = plan_ring(vault, requested="auto", dtype=mx.float32, device=cpu)
     assert plan.slots == 5 < m.num_records
 

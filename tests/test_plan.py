@@ -19,8 +19,8 @@ from smoe.bench.forecast import (
     serial_read_s,
 )
 from smoe.engine import Engine
-from smoe.engine.ring_plan import budget_parts, current_device, ring_kind, slot_bytes
 from smoe.io.disk_probe import probe_disk
+from smoe.plan.ring import budget_parts, current_device, ring_kind, slot_bytes
 from smoe.util.loop import run
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.source import open_model
@@ -153,7 +153,7 @@ def test_plan_and_the_run_make_one_ring_on_a_vault_and_a_download(
 ):
     """`smoe plan X` and `smoe generate X` agree on the ring, the context and the budget,
     with and without --memory, on a vault and on a download run as it is (one planning
-    call: ring_plan.plan_ring)."""
+    call: smoe.plan.plan.plan)."""
     path = vault.path if what == "vault" else hf_dir("qwen3_moe")
     opened = open_model(path)
     records = opened.manifest.num_records
@@ -170,6 +170,36 @@ def test_plan_and_the_run_make_one_ring_on_a_vault_and_a_download(
     assert plan["fit"]["context"] == context
     if memory is not None:
         assert slots == 7 < records and plan["fit"] == fit  # backbone, KV, working, ring
+
+
+def test_the_engine_and_smoe_plan_make_one_planning_call(vault, monkeypatch):
+    """Where the ring is sized is one function (issue 29): Engine.open and `smoe plan`
+    both call smoe.plan.plan.plan, with the same options, and get the same Plan."""
+    import smoe.bench.planner as planner
+    import smoe.engine.core as core
+    import smoe.plan.plan as plan_module
+
+    made = []
+
+    def spy(model, options, workers, batchable=False):
+        made.append(plan_module.plan(model, options, workers, batchable))
+        return made[-1]
+
+    monkeypatch.setattr(core, "plan_engine", spy)
+    monkeypatch.setattr(planner, "plan", spy)
+    memory = "1GB"
+
+    async def both():
+        opts = planner.PlanOptions(memory=memory, device="cpu", workers=4, compute=False)
+        out = await planner.make_plan(vault.path, opts)
+        async with Engine.open(
+            vault.path, memory=memory, device="cpu", max_batch=1, workers=4
+        ) as engine:
+            return out, engine.stats().ring.slots
+
+    out, slots = run(both())
+    assert len(made) == 2 and made[0] == made[1]
+    assert made[0].ring.slots == slots == out["fit"]["ring_slots"]
 
 
 def test_plan_on_a_download_sizes_what_the_run_reads(hf_dir, run_cli):

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import smoe.engine.ring_plan as ring_module
+import smoe.plan.ring as ring_module
 from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
 from smoe.vault.convert import ConvertOptions, convert

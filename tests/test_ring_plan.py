@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import smoe.engine.ring_plan as plan_module
+import smoe.plan.ring as plan_module
 from smoe.engine import Engine
-from smoe.engine.ring_plan import Device, gpu_room, plan_ring
 from smoe.errors import SmoeError
+from smoe.plan.ring import Device, gpu_room, plan_ring
 from smoe.vault.convert import ConvertOptions, convert
 
 CPU = Device(gpu=False, discrete=False)
@@ -176,7 +176,7 @@ def test_every_device_batches_and_a_gpu_gets_its_kernel_rules():
     default; CUDA gets its measured rules, another GPU solo call shapes, the CPU none
     unless forced (the CPU tests force them)."""
     from smoe.compute.solo_rows import CUDA, SOLO_SHAPES
-    from smoe.engine.ring_plan import CPU_BATCH, Device, batch_size, kernel_rules
+    from smoe.plan.ring import CPU_BATCH, Device, batch_size, kernel_rules
 
     cpu, cuda, metal = (
         Device(gpu=False, discrete=False),

@@ -487,8 +487,8 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
     budget's working part grows by exactly what the reader allocates."""
     import mlx.core as mx
 
-    from smoe.engine.ring_plan import budget_parts
     from smoe.io.shard_reader import bounce_bytes
+    from smoe.plan.ring import budget_parts
     from smoe.vault.source import open_model
 
     folder, vault, _ = sources("qwen3_moe")
@@ -514,8 +514,8 @@ def test_a_downloads_backbone_is_sized_from_the_non_expert_tensors_of_every_shar
     """The budget sizes a download's backbone from every shard's non-expert tensors, as
     its vault's backbone.safetensors (not the first shard whole, experts and all): the same
     bytes at either compute width, and the same line from `smoe generate --memory`."""
-    from smoe.engine.budget import backbone_bytes
     from smoe.models.checkpoint import safetensors_header
+    from smoe.plan.budget import backbone_bytes
     from smoe.synth import synthesize, weights
 
     monkeypatch.setattr(weights, "MAX_SHARD_BYTES", 150_000)  # several shards

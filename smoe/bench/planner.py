@@ -1,7 +1,7 @@
 """`smoe plan`: before loading anything, whether a model fits a memory budget and how fast
 it will run there (docs/plan.md).
 
-The fit is the engine's own arithmetic (smoe.engine.budget through ring_plan's parts), from
+The fit is the engine's own arithmetic (smoe.plan.plan, the engine's own call), from
 config.json and safetensors headers; the speed is smoe.bench.forecast's model over a disk
 probe (smoe.io.disk_probe) and a compute probe (smoe.bench.probe) and the routing curves at hand (the vault's
 popularity counts, else published locality).
@@ -21,8 +21,9 @@ import numpy as np
 
 from smoe.bench.forecast import Shape, forecast, routing_probabilities
 from smoe.bench.probe import probe_compute, recorded_compute
-from smoe.engine.budget import (
-    KV_BITS,
+from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
+from smoe.plan.budget import (
     KV_STEP,
     Attention,
     Parts,
@@ -32,20 +33,10 @@ from smoe.engine.budget import (
     pick_context,
     suggest_at_least,
 )
-from smoe.engine.ring_plan import (
-    Device,
-    available_memory,
-    batch_size,
-    budget_parts,
-    check_kv_bits,
-    choose_device,
-    current_device,
-    plan_ring,
-    ring_kind,
-    slot_bytes,
-)
-from smoe.errors import BudgetTooSmall, SmoeError
-from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
+from smoe.plan.memory import available_memory
+from smoe.plan.options import EngineOptions
+from smoe.plan.plan import Plan, device_and_dtype, plan
+from smoe.plan.ring import Device, budget_parts, ring_kind, slot_bytes
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
 from smoe.vault.names import MANIFEST
 
@@ -154,7 +145,7 @@ def _needs(
     subject: Subject, o: PlanOptions, dtype: Any, kind: str, context: int, device: Device
 ) -> Parts:
     """What the engine would budget beside the ring: the engine's own arithmetic
-    (ring_plan.budget_parts) where there is something it can open, else the same parts
+    (smoe.plan.ring.budget_parts) where there is something it can open, else the same parts
     for the vault `smoe convert` would make."""
     if subject.vault is not None:
         return budget_parts(
@@ -175,24 +166,34 @@ def _needs(
     )
 
 
-def _engine_ring(subject: Subject, o: PlanOptions, dtype: Any, device: Device, context: int) -> Any:
-    """The ring the engine would build (ring_plan.plan_ring, the engine's own call), or
-    None where there is nothing it can open (a `--bits` preview)."""
-    if subject.vault is None:
-        return None
-    return plan_ring(
-        subject.vault,
-        requested="auto",
-        dtype=dtype,
-        device=device,
+def _engine_options(o: PlanOptions, context: int | None = None) -> EngineOptions:
+    """The options an engine run with these flags would get (what `smoe run` passes)."""
+    return EngineOptions(
         memory=o.memory,
-        **_sizing(o, context),
+        device=o.device,
+        dtype=o.dtype,
+        max_context=context if context is not None else o.context,
+        kv_bits=o.kv_bits,
+        max_batch=o.max_batch,
+        prefill_chunk=o.prefill_chunk,
+        workers=o.io_workers,
     )
 
 
+def _engine_plan(subject: Subject, o: PlanOptions) -> Plan | None:
+    """The engine's own plan (smoe.plan.plan, the call Engine.open makes), or None where
+    there is nothing it can open (a `--bits` preview) or the budget is too small (the fit
+    below then words the refusal)."""
+    if subject.vault is None:
+        return None
+    try:
+        return plan(subject.vault, _engine_options(o), workers=o.io_workers)
+    except BudgetTooSmall:
+        return None
+
+
 def _sizing(o: PlanOptions, context: int) -> dict[str, Any]:
-    """The options both the ring and the parts beside it are sized from, as the engine
-    passes them (Engine._plan_at)."""
+    """The options the parts beside the ring are sized from, as the engine passes them."""
     return {
         "max_batch": o.max_batch,
         "max_context": context,
@@ -248,39 +249,30 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
             auto_workers, subject.probe_file, subject.shape.record_bytes, size
         )
         o = dataclasses.replace(o, workers=workers)
-    if o.kv_bits is not None and o.kv_bits not in KV_BITS:
-        raise SmoeError(f"--kv-bits must be 4 or 8, not {o.kv_bits}")
-    mlx_device = choose_device(o.device)
-    device = current_device(mlx_device)
-    check_kv_bits(o.kv_bits, device)
-    batch_size(o.max_batch, device)  # a GPU refuses a batch as the engine does
+    mlx_device, device, dtype = device_and_dtype(_engine_options(o))  # (checks kv_bits)
     device_name = "gpu" if mlx_device == mx.gpu else "cpu"
-    dtype_name = o.dtype or ("bfloat16" if device_name == "gpu" else "float32")
-    dtype = getattr(mx, dtype_name)
+    dtype_name = str(dtype).split(".")[-1]
     kind = ring_kind("auto", subject.layout, dtype, device)
     per_slot = slot_bytes(kind, subject.layout, dtype)
     attn = Attention.of(subject.config)
     s = subject.shape
     every = s.records * per_slot
+    engine = _engine_plan(subject, o)
+    if engine is not None:
+        context, default_context, ring = engine.max_context, engine.default_context, engine.ring
+    else:  # no engine plan: the preview's context as the engine would pick it
 
-    def fits(c: int) -> bool:  # as the engine picks the context (budget.pick_context)
-        if subject.vault is not None:
-            try:
-                _engine_ring(subject, o, dtype, device, c)
-            except BudgetTooSmall:
+        def fits(c: int) -> bool:
+            if subject.vault is not None:  # the engine refused every default context
                 return False
-            return True
-        fixed = _needs(subject, o, dtype, kind, c, device).fixed
-        return o.memory is None or _parse(o.memory) >= fixed + s.top_k * per_slot
+            fixed = _needs(subject, o, dtype, kind, c, device).fixed
+            return o.memory is None or _parse(o.memory) >= fixed + s.top_k * per_slot
 
-    context, default_context = pick_context(o.context, attn.max_context, fits)
+        context, default_context = pick_context(o.context, attn.max_context, fits)
+        ring = None
     needs = _needs(subject, o, dtype, kind, context, device)
     fixed = needs.fixed
     smallest = fixed + s.top_k * per_slot
-    try:
-        ring = _engine_ring(subject, o, dtype, device, context)
-    except BudgetTooSmall:
-        ring = None  # reported below, as fit() words it
     if o.memory is not None:
         memory = _parse(o.memory)
     elif ring is not None:  # the engine's default ring, and the process around it

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.commands.options import add_device, add_dtype, add_workers
-from smoe.engine.budget import KV_BITS
+from smoe.plan.budget import KV_BITS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

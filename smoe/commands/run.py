@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from smoe.commands.options import add_device, add_dtype, add_workers
-from smoe.engine.budget import KV_BITS
 from smoe.errors import SmoeError
+from smoe.plan.budget import KV_BITS
 from smoe.vault.hub import resolve_model
 
 
@@ -39,7 +39,7 @@ async def _generate(args: argparse.Namespace) -> int:
     if args.prompt_ids is not None and args.system_prompt is not None:
         raise SmoeError("--system-prompt goes with --prompt TEXT (the chat template), not ids")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt  # "-": mlx-lm's stdin
-    # One sequence: the memory budget keeps KV room for one (smoe.engine.budget).
+    # One sequence: the memory budget keeps KV room for one (smoe.plan.budget).
     vault = resolve_model(args.vault, download=args.download)  # a folder, or a Hub name
     async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
         quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
@@ -332,7 +332,7 @@ def _log_to_stderr(level: str) -> None:
 
 
 def _say_memory(engine: Any, quiet: bool) -> None:
-    """How --memory divided (smoe.engine.budget.Fit.line) and, where the disk was probed,
+    """How --memory divided (smoe.plan.budget.Fit.line) and, where the disk was probed,
     how many I/O workers it got: a line each on stderr."""
     if quiet:
         return

@@ -14,6 +14,6 @@
 
 from smoe.engine.core import Engine
 from smoe.engine.events import Event, GenerationStats
-from smoe.engine.options import EngineOptions
+from smoe.plan.options import EngineOptions
 
 __all__ = ["Engine", "EngineOptions", "Event", "GenerationStats"]

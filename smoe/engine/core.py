@@ -30,27 +30,15 @@ from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter, Ticket
-from smoe.engine.budget import Attention, Fit, kv_group_size, pick_context
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group_api import GroupAPI
 from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
-from smoe.engine.options import EngineOptions
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
-from smoe.engine.ring_plan import (
-    RingPlan,
-    batch_size,
-    check_draft,
-    check_kv_bits,
-    choose_device,
-    current_device,
-    kernel_rules,
-    plan_ring,
-)
 from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
 from smoe.engine.tokenizer import load_tokenizer
-from smoe.errors import BudgetTooSmall, SmoeError, VaultError
+from smoe.errors import SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
 from smoe.io.open import open_reader
@@ -59,6 +47,10 @@ from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.parallel.watchdog import Watchdog
+from smoe.plan.budget import Fit
+from smoe.plan.options import EngineOptions
+from smoe.plan.plan import plan as plan_engine
+from smoe.plan.ring import RingPlan, current_device
 from smoe.sched.hints import split_policy_name
 from smoe.sched.policy import PinnedHot
 from smoe.sched.popularity import Popularity
@@ -100,7 +92,7 @@ class Engine(GroupAPI):
         # None when one process computes every expert.
         self.ranks: Ranks | None = None
         self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
-        self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.engine.budget)
+        self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.plan.budget)
         self.max_batch = 1  # generations decoded together: options.max_batch on this device
         self.rules: Any = None  # the device's kernel rules (smoe.compute.solo_rows), or None
         # I/O threads: options.workers, or the disk's choice when the engine opens
@@ -170,36 +162,21 @@ class Engine(GroupAPI):
             )
 
     def _check_and_plan(self) -> RingPlan:
-        """Options checked, device and dtype chosen, the ring planned: nothing started."""
-        import mlx.core as mx
-
-        m, o = self.vault.manifest, self.options
-        o.check(m.shape.experts_per_token, m.num_experts)
-        self.kv_group_size = kv_group_size(self.vault.config()) if o.kv_bits else 64
-        self._device = choose_device(o.device)
-        self.dtype = getattr(mx, o.dtype or ("bfloat16" if self._device == mx.gpu else "float32"))
-        check_kv_bits(o.kv_bits, current_device(self._device))
-        # How this device's kernels treat a call's rows: batched and verify passes are
-        # shaped by these so each row gets its solo bits (smoe.compute.solo_rows).
-        self.rules = kernel_rules(current_device(self._device), o.solo_rows)
-        check_draft(o.draft, self.rules, _batchable(self.vault.config()["model_type"]))
-        self.max_batch = batch_size(o.max_batch, current_device(self._device))
-
-        def fits(context: int) -> bool:
-            try:
-                self._plan_at(context)
-            except BudgetTooSmall:
-                return False
-            return True
-
-        limit = Attention.of(self.vault.config()).max_context
-        self.max_context, default = pick_context(o.max_context, limit, fits)
-        plan = self._plan_at(self.max_context)  # a refusal names the smallest budget
-        if plan.fit is not None and default:
-            plan = dataclasses.replace(
-                plan, fit=dataclasses.replace(plan.fit, default_context=True)
-            )
-        return plan
+        """Options checked, device and dtype chosen, the ring planned (smoe.plan.plan, the
+        call `smoe plan` makes too): nothing started."""
+        p = plan_engine(
+            self.vault,
+            self.options,
+            workers=self.workers,
+            batchable=_batchable(self.vault.config()["model_type"]),
+        )
+        self._device, self.dtype, self.rules = p.mlx_device, p.dtype, p.rules
+        self.max_batch, self.max_context, self.kv_group_size = (
+            p.max_batch,
+            p.max_context,
+            p.kv_group_size,
+        )
+        return p.ring
 
     async def _auto_workers(self) -> tuple[int, str | None]:
         """The disk's worker count and how it was chosen (a probe runs on a thread; a
@@ -209,23 +186,6 @@ class Engine(GroupAPI):
         if size < disk_probe.AUTO_PROBE_MIN_BYTES:
             return DEFAULT_WORKERS, None
         return await anyio.to_thread.run_sync(disk_probe.auto_workers, path, stride, size)
-
-    def _plan_at(self, context: int) -> RingPlan:
-        """plan_ring with the options, the device and ``context`` tokens of KV room."""
-        o = self.options
-        return plan_ring(
-            self.vault,
-            requested=o.ring,
-            dtype=self.dtype,
-            device=current_device(self._device),
-            memory=o.memory,
-            slots=o.slots,
-            max_batch=self.max_batch,
-            max_context=context,
-            kv_bits=o.kv_bits,
-            prefill_chunk=o.prefill_chunk,
-            workers=self.workers,
-        )
 
     async def _join_group(self, plan: RingPlan) -> RingPlan:
         """Join the expert-parallel ranks (engine/ranks.py); this rank's ring holds its own

@@ -179,7 +179,7 @@ class Vault:
 
     def backbone_header(self) -> dict[str, Any]:
         """The backbone's tensors as a safetensors header lists them (dtype, shape), for
-        sizing it before it loads (smoe.engine.budget.backbone_bytes)."""
+        sizing it before it loads (smoe.plan.budget.backbone_bytes)."""
         from smoe.models.checkpoint import safetensors_header
 
         return safetensors_header(self.backbone_path)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smoe.compute.draft import DRAFTERS, MAX_DRAFT_TOKENS
-from smoe.engine.budget import KV_BITS  # quantized KV cache widths offered (one list)
 from smoe.errors import SmoeError
 from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
+from smoe.plan.budget import KV_BITS  # quantized KV cache widths offered (one list)
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
@@ -19,8 +19,8 @@ class EngineOptions:
     raises SmoeError naming the fix, before any resource is taken."""
 
     memory: int | str | None = None  # the whole process's budget, e.g. "6GB": backbone + KV
-    # caches + working memory + the ring, which gets what remains (smoe.engine.budget); None:
-    # all experts if they fit, else what does (ring_plan: the GPU's free memory, or half the
+    # caches + working memory + the ring, which gets what remains (smoe.plan.budget); None:
+    # all experts if they fit, else what does (smoe.plan.ring: the GPU's free memory, or half the
     # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
     # I/O threads; None: chosen for the disk when the engine opens (smoe.io.disk_probe.
@@ -37,14 +37,14 @@ class EngineOptions:
     spec: int = 0  # gate-echo bets per layer and decode step (docs/speculation.md)
     lookahead: bool = True  # next layer's router on this layer's input (docs/speculation.md)
     direct_io: bool = True
-    # generations decoded together (1: one at a time); None: 8 (smoe.engine.ring_plan)
+    # generations decoded together (1: one at a time); None: 8 (smoe.plan.ring)
     max_batch: int | None = None
     # Shape batched and verify passes so each row gets its solo bits (smoe.compute.
     # solo_rows): None: where kernels need it (a GPU); True: also on the CPU (tests);
     # False: never (to measure what it costs; a GPU batch may then change tokens).
     solo_rows: bool | None = None
     device: str | None = None  # "cpu" or "gpu"; None: MLX's default
-    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.engine.ring_plan)
+    ring: str = "auto"  # "unified", "staged" or "auto" (smoe.plan.ring)
     bank_bytes: int | None = None  # staged ring: bytes per array (None: the device's limit)
     # Expert parallelism over mx.distributed (docs/distributed.md): the backend to join the
     # ranks with ("any", "ring", "mpi", "nccl", "jaccl"); None: this process alone.

@@ -6,7 +6,7 @@ record format, the compute dtype and the memory there is. No MLX arrays are made
   would otherwise convert the whole ring on every call); unified otherwise (reads land in
   place). ``ring="unified"`` or ``"staged"`` forces one, refused where it cannot work.
 - Size: ``slots``, else what ``memory`` leaves: the whole process's budget less the
-  backbone, the KV caches and working memory (smoe.engine.budget; on a discrete GPU, its
+  backbone, the KV caches and working memory (smoe.plan.budget; on a discrete GPU, its
   memory: the host's runtime is not counted), else the default budget: every expert if
   they fit, else as many as do. On a discrete GPU what fits is 90% of its free memory less
   the backbone and room for the KV caches; elsewhere half the available memory beside the
@@ -17,15 +17,15 @@ record format, the compute dtype and the memory there is. No MLX arrays are made
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from smoe.engine.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
 from smoe.errors import SmoeError
 from smoe.io.open import reader_host_bytes
 from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
+from smoe.plan.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
+from smoe.plan.memory import available_memory
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
@@ -52,91 +52,6 @@ class RingPlan:
     @property
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
-
-
-# Where /proc and /sys are: tests point this at a fake tree.
-SYSTEM_ROOT = Path("/")
-
-
-def available_memory(root: Path | None = None) -> int | None:
-    """Bytes of memory this process may still take (Linux), else None: the least of the
-    system's MemAvailable and, for each memory cgroup (v2 or v1) it is in and each parent,
-    the limit less the usage (a container's or a systemd unit's cap binds before the host's
-    free memory does)."""
-    root = SYSTEM_ROOT if root is None else root
-    found = [m for m in (_mem_available(root), *_cgroup_rooms(root)) if m is not None]
-    return min(found) if found else None
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _number(path: Path) -> int | None:
-    """An integer control file's value; None if absent, unreadable or 'max' (no limit)."""
-    text = _read(path)
-    try:
-        return int(text.strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _mem_available(root: Path) -> int | None:
-    for line in (_read(root / "proc/meminfo") or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def _reclaimable(stat: Path, key: str) -> int:
-    """Inactive file cache (from memory.stat): counted in usage, yet the kernel drops it
-    before it refuses memory, as the kubelet's working set also leaves it out."""
-    for line in (_read(stat) or "").splitlines():
-        name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
-def _cgroup_rooms(root: Path) -> list[int]:
-    """Room (limit - usage) in each limited memory cgroup of this process and its parents.
-
-    /proc/self/cgroup names the cgroup: '0::/PATH' (v2, under /sys/fs/cgroup) and
-    'N:...memory...:/PATH' (v1, under /sys/fs/cgroup/memory). Directories that are not
-    there are skipped: in a container the path is the host's, and the container's own
-    cgroup is the mount's root, which the walk up reaches.
-    """
-    fs = root / "sys/fs/cgroup"
-    rooms = []
-    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, cgroup = parts
-        files: tuple[tuple[str, ...], str, str]
-        if controllers == "":  # v2 (the unified hierarchy; "unified" in hybrid setups)
-            mounts = [fs, fs / "unified"]
-            files = (("memory.max", "memory.high"), "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            mounts = [fs / "memory"]
-            files = (("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file")
-        else:
-            continue
-        limits, usage_file, cache_key = files
-        for mount in mounts:
-            rel = Path(cgroup.strip().lstrip("/"))
-            for level in [rel, *rel.parents]:
-                d = mount / level
-                usage = _number(d / usage_file)
-                caps = [c for c in (_number(d / f) for f in limits) if c is not None]
-                if usage is None or not caps:
-                    continue
-                used = max(0, usage - _reclaimable(d / "memory.stat", cache_key))
-                rooms.append(max(0, min(caps) - used))
-    return rooms
 
 
 def choose_device(name: str | None) -> Any:
@@ -263,7 +178,7 @@ def budget_parts(
     prefill_chunk: int = 64,
     workers: int = 4,
 ) -> Parts:
-    """The budget's parts beside the ring (smoe.engine.budget.parts) for this vault: its
+    """The budget's parts beside the ring (smoe.plan.budget.parts) for this vault: its
     backbone as loaded, a staged ring's host landing buffers (2 per worker), and, for a
     model run from its shards, the reader's bounce buffers (host memory, so not in a
     discrete GPU's budget)."""
@@ -316,7 +231,7 @@ def plan_ring(
     workers: int = 4,
 ) -> RingPlan:
     """The ring to build (module docstring). ``memory`` is the whole process's budget
-    (smoe.engine.budget); the plan's ``fit`` says how it divides. Raises SmoeError naming
+    (smoe.plan.budget); the plan's ``fit`` says how it divides. Raises SmoeError naming
     the fix for a budget too small for the backbone, KV, working memory and one layer's
     top-k, a ring the GPU cannot hold, or a ring kind that cannot work."""
     m = vault.manifest

@@ -1,7 +1,7 @@
 """One memory budget for the whole process: backbone + KV caches + working memory + ring.
 
 Pure arithmetic over the model's config.json and its backbone's safetensors header (no
-MLX, no weights read), shared by the engine (``ring_plan``) and ``smoe plan``; every
+MLX, no weights read), shared by the engine and ``smoe plan`` through ``smoe.plan.plan``; every
 formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's item size
 (4: float32 on the CPU, 2: bfloat16 on a GPU).
 
