@@ -202,6 +202,8 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
         (["serve", "--port", "-1"], "--port -1 is not a TCP port"),
         (["serve", "--api-key", ""], "--api-key is empty"),  # silently asked no key
         (["serve", "--api-key", "  "], "--api-key is empty"),
+        (["serve", "--api-key-file", "/nonexistent/key"], "cannot read --api-key-file"),
+        (["serve", "--api-key-file", "/dev/null"], "--api-key-file /dev/null is empty"),
     ],
 )
 def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):

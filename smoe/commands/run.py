@@ -224,6 +224,16 @@ def check_serve_address(port: int, api_key: str | None) -> None:
         raise SmoeError("--api-key is empty, which would ask no key at all; give a key or drop it")
 
 
+def serve_guard(args: argparse.Namespace) -> tuple[str | None, Any]:
+    """The API key (--api-key, --api-key-file or $SMOE_API_KEY) and the Host/Origin rules
+    for the bind address (smoe/serve/guard.py), checked before loading."""
+    from smoe.serve.guard import Guard, resolve_api_key
+
+    check_serve_address(args.port, args.api_key)
+    key = resolve_api_key(args.api_key, args.api_key_file)
+    return key, Guard.for_bind(args.host, args.allow_host, args.allow_origin)
+
+
 def check_port_free(host: str, port: int) -> None:
     """SmoeError naming the fix if ``host``:``port`` cannot be listened on now (the server
     binds again once loaded; this only saves a user the loading time)."""
@@ -258,10 +268,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from smoe.util.sizes import parse_size
 
     _log_to_stderr(args.log_level)
-    check_serve_address(args.port, args.api_key)
+    api_key, guard = serve_guard(args)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    if not guard.loopback_only and not api_key:
+        print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
     vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
@@ -276,7 +286,8 @@ async def _serve(args: argparse.Namespace) -> int:
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     _check_sampling(temperature, top_p, args.max_tokens)  # before loading
     options = ServerOptions(
-        api_key=args.api_key,
+        api_key=api_key,
+        guard=guard,
         max_queue=args.max_queue,
         model_name=Path(vault).name,
         temperature=temperature,
@@ -679,7 +690,30 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (default: none, no key asked)",
+        help="require 'Authorization: Bearer KEY' (default: none, no key asked; seen in "
+        "ps: prefer --api-key-file or $SMOE_API_KEY)",
+    )
+    sv.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="read the API key from this file's first line",
+    )
+    sv.add_argument(
+        "--allow-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="on a loopback bind, also answer requests for this Host name (repeatable; "
+        "default: loopback names only, against DNS rebinding)",
+    )
+    sv.add_argument(
+        "--allow-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="let browser requests from this web origin in, e.g. http://localhost:3000 "
+        "(repeatable; '*': any; default: the server's own names only)",
     )
     sv.add_argument(
         "--max-queue",

@@ -361,6 +361,11 @@ class Engine(GroupAPI):
 
             mx.clear_cache()
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the engine takes requests: opened and not closed since."""
+        return self._opened
+
     # ---------------------------------------------------------------- learning cache
     def prewarm(self) -> int:
         """Queue speculative reads of the historically hottest experts into EMPTY slots

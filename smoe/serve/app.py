@@ -58,6 +58,7 @@ from smoe.serve.completion import (
     send,
     stream_failure,
 )
+from smoe.serve.guard import Guard, key_matches
 from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from smoe.serve.metrics import render as render_metrics
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
@@ -98,7 +99,9 @@ http_log.addFilter(_MalformedHttp())
 
 @dataclass
 class ServerOptions:
-    api_key: str | None = None
+    api_key: str | None = None  # compared in constant time (smoe/serve/guard.py)
+    # Host and Origin rules (smoe/serve/guard.py); None: the bind address's defaults
+    guard: Guard | None = None
     max_queue: int = 16  # requests waiting for a place in the batch; more get 429
     model_name: str = "smoe"
     cached_sequences: int = 8  # KV caches kept for prefix reuse
@@ -164,6 +167,11 @@ class Server:
         self.prefilled_tokens = 0  # prompt tokens run (all but each prompt's last)
         self.reply_follow_ups = 0  # chat requests that continued a cached reply's ids
         self.counts = ServerCounts()
+        # Who may talk to us; serve() sets it from the bind address unless options say.
+        self.guard = options.guard or Guard(loopback_only=False)
+        # Why the last request that failed for the server's sake failed (a 503), until a
+        # request succeeds again: /health reports it.
+        self.failing: str | None = None
         self.app = web.Application(
             middlewares=[self._access, self._errors, self._auth],
             client_max_size=options.max_body_bytes,
@@ -232,28 +240,55 @@ class Server:
         except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
             raise
         except Exception as e:  # not the request's fault: keep serving, tell no internals
-            response = error_response(request.path, failure(e, rid))
+            response = error_response(request.path, self._failure(e, rid))
         if not response.prepared:  # a stream has sent its headers already, with the id
             response.headers["X-Request-Id"] = rid
         return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        refusal = self.guard.refusal(request.headers.get("Host"), request.headers.get("Origin"))
+        if refusal is not None:
+            raise ApiError(403, refusal, "permission_error", code="forbidden_origin")
         key = self.options.api_key
-        authorized = (  # OpenAI's and Ollama's clients send a Bearer key, Anthropic's x-api-key
-            request.headers.get("Authorization", "") == f"Bearer {key}"
-            or request.headers.get("x-api-key", "") == key
-        )
-        if key and request.path not in ("/", "/health") and not authorized:
-            raise ApiError(
-                401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
-            )
+        if key and request.path not in ("/", "/health"):
+            # OpenAI's and Ollama's clients send a Bearer key, Anthropic's x-api-key.
+            bearer = request.headers.get("Authorization", "")
+            sent = bearer[7:] if bearer.startswith("Bearer ") else request.headers.get("x-api-key")
+            if sent is None or not key_matches(key, sent):
+                raise ApiError(
+                    401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
+                )
         response: web.StreamResponse = await handler(request)
         return response
 
+    def _failure(self, e: Exception, rid: str) -> ApiError:
+        """``failure(e, rid)``, remembered for /health when it is the server's (a 503)."""
+        err = failure(e, rid)
+        if err.status == 503:
+            # the class only: /health needs no key, the details stay in the server log
+            self.failing = f"the last request failed: {type(e).__name__} (see the server log)"
+        return err
+
     # ------------------------------------------------------------- small endpoints
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """200 when the engine can take requests, else 503 with why: the engine closed, or
+        the last request failed for the server's sake (its vault or disk) and none has
+        succeeded since. Needs no key."""
+        why = "the engine is closed" if not self.engine.is_open else self.failing
+        if why is not None:
+            return web.json_response({"status": "unavailable", "why": why}, status=503)
+        batch = self.engine.stats().batch
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": self.options.model_name,
+                "active": batch.active,
+                "waiting": batch.waiting,
+                "max_batch": batch.max_batch,
+                "max_queue": self.options.max_queue,
+            }
+        )
 
     async def root(self, request: web.Request) -> web.Response:
         """What a browser or `curl URL` sees: that it runs, which model, where the APIs are."""
@@ -473,6 +508,7 @@ class Server:
             if response is not None:
                 await send(response, fmt.opening(len(ids), reused))
             await self._generate(ids, opts, seq, prepared, fmt, response)
+            self.failing = None  # a generation went through: the engine serves again
             if turn is not None and seq is not None:
                 try:  # only an optimisation: its failure is logged, never the request's
                     kept = self._reply(
@@ -487,7 +523,7 @@ class Server:
         except Exception as e:
             if response is None:
                 raise
-            await stream_failure(response, fmt.failure(failure(e, request_id)))
+            await stream_failure(response, fmt.failure(self._failure(e, request_id)))
             return response
         finally:
             if seq is not None:
@@ -599,6 +635,8 @@ async def serve(
     Raises SmoeError (one line naming the fix) if ``host``/``port`` cannot be bound; a request's failure never escapes
     (it becomes that request's 4xx or 5xx, see the module doc)."""
     server = server or Server(engine, options)
+    if options.guard is None:
+        server.guard = Guard.for_bind(host)
     if options.prewarm_when_idle:
 
         def prewarm() -> None:
