@@ -1,8 +1,10 @@
 """The `smoe` command line: the parser, the entry point and its exit codes. Each
 subcommand is a thin shell over the Python API, in smoe.commands.
 
-User mistakes (SmoeError) print one line and exit 2; Ctrl-C, SIGINT or SIGTERM exit 130
-after the running command has cleaned up after itself. SIGINT is handled however the
+User mistakes (SmoeError) print one line and exit 2; Ctrl-C or SIGINT exit 130 after the
+running command has cleaned up after itself, SIGTERM likewise with 0 for `smoe serve`
+(its normal end) and 143 for a command that did not finish; a second signal during that
+cleanup exits at once (smoe.util.loop). SIGINT is handled however the
 process was started: a shell starts a background job (`&`, `nohup`) with SIGINT ignored,
 and `kill -INT` must still stop a backgrounded `smoe serve`.
 """
@@ -18,11 +20,12 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import smoe.util.loop
 from smoe.commands.bench import add_bench
 from smoe.commands.plan import add_plan
 from smoe.commands.run import add_chat, add_generate, add_serve
 from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard, add_synth
-from smoe.errors import SmoeError
+from smoe.errors import SmoeError, Stopped
 
 
 def _version() -> str:
@@ -61,15 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _terminate_as_interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM takes SIGINT's path: inside asyncio.Runner that cancels the main task, so
-    the command's async cleanup (the engine's close) runs; raising here instead would leave
-    the loop mid-step with its reader threads alive."""
-    on_sigint = signal.getsignal(signal.SIGINT)
-    if callable(on_sigint) and on_sigint is not _terminate_as_interrupt:
-        on_sigint(signal.SIGINT, frame)  # default_int_handler raises; the Runner's cancels
-    else:
-        raise KeyboardInterrupt
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM outside an event loop (a synchronous command such as convert): Stopped is
+    raised where the command runs, and its cleanups run on the way out. Inside one,
+    smoe.util.loop's handler cancels the command's task instead."""
+    raise Stopped()
 
 
 @contextlib.contextmanager
@@ -81,11 +80,11 @@ def _interrupts_stop_the_command() -> Iterator[None]:
         yield  # only the main thread may set handlers; an embedding caller owns them
         return
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # default_int_handler, not ours: asyncio.Runner takes SIGINT over only from it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # clean up on kill too
+    signal.signal(signal.SIGTERM, _terminate)  # clean up on kill too
     try:
-        yield
+        with smoe.util.loop.signals():  # an event loop's command: smoe.util.loop's rules
+            yield
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -127,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"smoe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Stopped:  # SIGTERM: a server's normal end; any other command did not finish
+        print(f"smoe {args.command}: stopped (SIGTERM)", file=sys.stderr)
+        return 0 if args.command == "serve" else 143
     except BrokenPipeError:
         return 1
 

@@ -111,3 +111,15 @@ class ExpertReadError(SmoeError):
 class GroupError(SmoeError):
     """Expert-parallel ranks disagree or lost one another: a rank opened another vault,
     died, or its connection broke. The group cannot go on; restart every rank."""
+
+
+class Stopped(BaseException):
+    """The command was asked to stop by SIGTERM. Raised where the command runs (a
+    BaseException, so ``except Exception`` cleanups do not swallow it, while ``finally``
+    blocks and context managers still close what they opened); the CLI exits 0 for
+    ``smoe serve``, whose normal end it is, and 143 for a command that did not finish."""
+
+
+class ShuttingDown(SmoeError):
+    """The server is stopping: requests in flight end with this (its message is safe to
+    send to the client, unlike other failures')."""

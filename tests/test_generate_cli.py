@@ -110,3 +110,39 @@ def test_a_chat_template_that_raises_is_one_line(run_cli, vault, tmp_path):
     code, out, err = run_cli("generate", broken, "--prompt", QUESTION)
     assert code != 0 and "Traceback" not in err
     assert "chat template" in err and "no such role" in err
+
+
+def test_a_chat_template_that_fails_on_a_follow_up_is_one_error_and_the_chat_goes_on(
+    vault, tmp_path
+):
+    """The template runs again on a follow-up turn (the reply's ids continued): a template
+    that fails only there was a jinja2 traceback (issue 30). Now the turn is one SmoeError
+    naming the template, and the conversation still takes a turn the template accepts."""
+    import shutil
+
+    from smoe.engine import Engine
+    from smoe.errors import SmoeError
+    from smoe.util.loop import run
+
+    broken = tmp_path / "v"
+    shutil.copytree(vault, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if messages|length > 2 and messages[-1]['content'] == 'boom' %}"
+        "{{ raise_exception('no follow-ups like that') }}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    (broken / "chat_template.jinja").unlink(missing_ok=True)
+
+    async def chat():
+        async with Engine.open(broken) as engine:
+            conv = engine.conversation()
+            [e async for e in conv.send("hello", max_tokens=3)]
+            with pytest.raises(SmoeError) as failed:
+                [e async for e in conv.send("boom", max_tokens=3)]
+            assert "chat template" in str(failed.value) and "no follow-ups" in str(failed.value)
+            return [e async for e in conv.send("fine", max_tokens=3)]
+
+    assert run(chat())

@@ -697,7 +697,8 @@ def add_serve(sub: Any) -> None:
         "--api-key-file",
         type=Path,
         default=None,
-        help="read the API key from this file's first line",
+        help="read the API key from this file's first line (default: none; then "
+        "$SMOE_API_KEY if set)",
     )
     sv.add_argument(
         "--allow-host",

@@ -232,10 +232,10 @@ class Batcher:
         """Until no request is waiting or active."""
         await self._idle.wait()
 
-    async def close(self) -> None:
-        """Stop the loop after the job in progress; every unfinished ticket gets an error.
-        Across ranks, the iteration in progress completes first (every rank runs it) and
-        the other ranks are told to stop."""
+    async def close(self, error: SmoeError | None = None) -> None:
+        """Stop the loop after the job in progress; every unfinished ticket gets ``error``
+        (default: SmoeError "the engine closed during the request"). Across ranks, the iteration in progress completes first (every
+        rank runs it) and the other ranks are told to stop. Idempotent."""
         self._closed = True
         if self.coordinator is not None:
             async with self.lock:  # between iterations: no rank is inside a pass
@@ -244,7 +244,7 @@ class Batcher:
             self._stop.cancel()  # the loop leaves its scope at its next await and returns
             await self._task
         for t in [*self.active, *self.waiting, *self.incoming]:
-            t._finish(Failed(SmoeError("the engine closed during the request")))
+            t._finish(Failed(error or SmoeError("the engine closed during the request")))
         self.active.clear()
         self.waiting.clear()
         self.incoming.clear()

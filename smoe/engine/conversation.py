@@ -157,7 +157,10 @@ class Conversation:
         if history != self.messages or history[-1].get("role") != "assistant":
             return None
         stream = self._seq.tokens[: self._reply_end]
-        return follow_up_prompt(self.engine.tokenizer, stream, messages, len(history) - 1)
+        try:
+            return follow_up_prompt(self.engine.tokenizer, stream, messages, len(history) - 1)
+        except Exception:  # the template (the vault's code) failed: ``template`` says how
+            return None
 
     def _keep(self, seq: Sequence_, _run: int = 0) -> None:
         """Compute thread: the sequence this conversation's stream now lives in."""

@@ -332,6 +332,13 @@ class Engine(GroupAPI):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def end_requests(self, error: SmoeError) -> None:
+        """Stop taking requests and end every one in progress or waiting, after the step in
+        progress, with ``error`` (a server's streams then send their error event and end at
+        once); the engine's parts stay up until ``aclose``. Idempotent."""
+        if hasattr(self, "batcher"):
+            await self.batcher.close(error)
+
     async def aclose(self) -> None:
         """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
         if hasattr(self, "batcher"):

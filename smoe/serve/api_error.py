@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from smoe.errors import SmoeError
+from smoe.errors import ShuttingDown, SmoeError
 
 log = logging.getLogger("smoe.serve")
 
@@ -57,6 +57,9 @@ def failure(e: Exception, rid: str) -> ApiError:
     SmoeError or OSError (the vault or disk failing, the engine closed) is the operator's
     to fix: 503, one log line. Anything else is a bug of ours: 500, the traceback logged
     once. Neither tells the client more than the class and a request id to quote."""
+    if isinstance(e, ShuttingDown):  # our own words, meant for the client
+        log.info("request %s: %s", rid, e)
+        return ApiError(503, str(e), "server_error", code="shutting_down")
     if isinstance(e, (SmoeError, OSError)):
         log.error("request %s: %s: %s", rid, type(e).__name__, " ".join(str(e).split()))
         return ApiError(

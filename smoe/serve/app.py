@@ -45,7 +45,7 @@ from jinja2 import TemplateError
 
 from smoe.engine import Engine
 from smoe.engine.handles import SequenceHandle
-from smoe.errors import SmoeError
+from smoe.errors import ShuttingDown, SmoeError
 from smoe.sampling import SamplingParams
 from smoe.serve import anthropic_api, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
@@ -114,6 +114,10 @@ class ServerOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 256  # at most what the context has room for
+    # Stopping: end the engine's requests in flight (each stream sends an error event),
+    # then wait at most shutdown_s for the handlers to finish writing.
+    end_requests_on_stop: bool = True
+    shutdown_s: float = 10.0
 
 
 @dataclass
@@ -432,6 +436,14 @@ class Server:
                 param="messages",
                 code="invalid_value",
             ) from None
+        except Exception as e:  # the template is the vault's code: it failed on these
+            raise ApiError(
+                400,
+                f"Invalid 'messages': the model's chat template failed on them "
+                f"({type(e).__name__}: {_line(e)})",
+                param="messages",
+                code="invalid_value",
+            ) from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         turn = _Turn(cast(list[dict[str, str]], messages), continued=follow is not None)
         return ids, turn if plain else None
@@ -643,7 +655,13 @@ async def serve(
             engine.prewarm()
 
         engine.batcher.on_idle = prewarm
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, logger=http_log)
+    runner = web.AppRunner(
+        server.app,
+        handler_cancellation=True,
+        access_log=None,
+        logger=http_log,
+        shutdown_timeout=options.shutdown_s,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -659,4 +677,14 @@ async def serve(
     try:
         await anyio.sleep_forever()
     finally:
-        await runner.cleanup()
+        # Stopping (a signal cancels us): take no new connection, end every generation in
+        # flight after the step in progress (each stream sends its error event and ends),
+        # then give the handlers up to shutdown_s to finish writing.
+        with anyio.CancelScope(shield=True):
+            for listening in list(runner.sites):
+                await listening.stop()
+            if options.end_requests_on_stop:
+                await engine.end_requests(
+                    ShuttingDown("the server is shutting down; retry on its next start")
+                )
+            await runner.cleanup()

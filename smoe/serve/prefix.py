@@ -104,7 +104,10 @@ class PrefixCache:
             best, stream = r, entry.seq.tokens[: r.end]
         if best is None or len(stream) != best.end:
             return None
-        return follow_up_prompt(tok, stream, messages, len(best.messages))
+        try:
+            return follow_up_prompt(tok, stream, messages, len(best.messages))
+        except Exception:  # the template (the vault's code) failed: templated whole instead
+            return None
 
     def nbytes(self) -> int:
         return sum(entry.nbytes() for entry in self.entries)
