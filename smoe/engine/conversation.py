@@ -16,7 +16,6 @@ which `smoe serve` shares for the replies its clients send back).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -27,22 +26,20 @@ import anyio
 import numpy as np
 
 from smoe.compute.runner import SamplingParams, Sequence_
+from smoe.engine import conversation_file
 from smoe.errors import SmoeError
 from smoe.util.files import atomic_path, sweep_stale
 
 if TYPE_CHECKING:
     from smoe.engine import Engine, Event, GenerationStats
 
-FORMAT = "smoe-conversation-1"
+FORMAT = conversation_file.FORMAT
 
 
 def vault_fingerprint(engine: Engine) -> str:
-    """Identifies the weights a KV cache was computed with."""
-    m = engine.vault.manifest
-    h = hashlib.sha256(json.dumps(m.checksums).encode())
-    h.update(engine.vault.backbone_path.read_bytes()[:4096])
-    h.update(str(engine.dtype).encode())
-    return h.hexdigest()[:32]
+    """Identifies the weights a KV cache was computed with (conversation_file)."""
+    v = engine.vault
+    return conversation_file.vault_fingerprint(v.manifest.checksums, v.backbone_path, engine.dtype)
 
 
 REPLY_MARK = "\ue000smoe-reply\ue001"  # private-use characters: no template writes them
@@ -289,6 +286,7 @@ class Conversation:
             meta["cached"] = str(seq.cached if seq is not None else 0)
             meta["reply_end"] = json.dumps(self._reply_end)
             cache = seq.cache if seq is not None else self.engine.runner.new_cache()
+            meta["digest"] = conversation_file.digest(meta, conversation_file.cache_arrays(cache))
             try:
                 save_prompt_cache(str(tmp), cache, meta)
             except RuntimeError as e:  # how mlx reports a file it cannot write
@@ -298,10 +296,10 @@ class Conversation:
             with atomic_path(path, keep_suffix=True) as tmp:
                 async with self.engine.exclusive():
                     await self.engine.compute.run(write, tmp)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a name the OS cannot take (a NUL)
             raise SmoeError(
-                f"cannot save the conversation to {path} ({e}); check that the directory "
-                "exists and has space (a file already there is unchanged)"
+                f"cannot save the conversation to {path!r} ({e}); check the name, and that "
+                "the directory exists and has space (a file already there is unchanged)"
             ) from None
         return path
 
@@ -327,14 +325,19 @@ class Conversation:
                 cache, meta = await engine.compute.run(read)
         except Exception as e:  # a corrupt file: say so, keep the current chat
             raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in (FORMAT, conversation_file.FORMAT_1):
             raise SmoeError(f"{path} is not an S-MoE conversation file")
         if meta.get("vault") != vault_fingerprint(engine):
             raise SmoeError(
                 f"{path} was saved with another model or dtype "
                 f"({meta.get('model_type')}); load it with the vault it was made with"
             )
-        saved_bits = json.loads(meta.get("kv_bits", "null"))  # absent: saved before kv_bits
+        try:
+            saved_bits = json.loads(meta.get("kv_bits", "null"))  # absent: saved before kv_bits
+        except ValueError:
+            raise SmoeError(
+                f"{path}: its 'kv_bits' field is not JSON; the file is damaged"
+            ) from None
         if saved_bits != engine.options.kv_bits:
             # Its keys/values were computed (and rounded) another way than this engine's.
             raise SmoeError(
@@ -343,12 +346,14 @@ class Conversation:
                 + "; load it with an engine opened with "
                 + (f"--kv-bits {saved_bits}" if saved_bits else "no --kv-bits")
             )
-        conv = cls(engine, json.loads(meta["system"]))
-        conv.messages = json.loads(meta["messages"])
-        conv._seq = Sequence_(
-            cache=cache, tokens=json.loads(meta["tokens"]), cached=int(meta["cached"])
-        )
-        end = json.loads(meta.get("reply_end", "null"))  # absent in files saved before it
-        if type(end) is int and 0 < end <= len(conv._seq.tokens):
-            conv._reply_end = end
+        layers = len(engine.runner.new_cache())
+        if len(cache) != layers:
+            raise SmoeError(f"{path} holds {len(cache)} KV layers, this model has {layers}")
+        vocab = engine.vault.manifest.shape.vocab_size
+        async with engine.exclusive():  # (its arrays are read on the compute thread)
+            saved = await engine.compute.run(conversation_file.check, meta, cache, path, vocab)
+        conv = cls(engine, saved.system)
+        conv.messages = saved.messages
+        conv._seq = Sequence_(cache=cache, tokens=saved.tokens, cached=saved.cached)
+        conv._reply_end = saved.reply_end
         return conv
