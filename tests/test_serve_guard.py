@@ -4,6 +4,8 @@ foreign web page, a rebound name and a wrong key; /health telling what the engin
 
 from __future__ import annotations
 
+import contextlib
+
 import aiohttp
 import pytest
 
@@ -159,3 +161,72 @@ async def test_health_says_what_the_engine_can_do(vault):
         await engine.aclose()
         async with http.get(srv.base + "/health") as r:
             assert r.status == 503 and (await r.json())["why"] == "the engine is closed"
+
+
+async def _kept_alive(port: int):
+    """A connection that has had one request answered (so the server holds it), now idle."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    return reader, writer
+
+
+@pytest.mark.asyncio
+async def test_past_the_cap_a_connection_gets_503(vault):
+    """2,100 idle sockets took the server down until they closed (issue 30). Here a cap of
+    3: the fourth connection gets a 503 and is closed; once one goes, there is room."""
+    import asyncio
+
+    options = ServerOptions(max_connections=3)
+    async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
+        held = [await _kept_alive(srv.port) for _ in range(3)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        async with asyncio.timeout(10):
+            busy = await reader.read()  # the 503, then the close (EOF)
+        writer.close()
+        assert busy.startswith(b"HTTP/1.1 503") and b"too_many_connections" in busy
+        held[0][1].close()
+        async with asyncio.timeout(10):
+            await held[0][1].wait_closed()
+            while True:  # the server sees it go, then takes a new one
+                try:
+                    held[0] = await _kept_alive(srv.port)
+                    break
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    await asyncio.sleep(0.01)
+        for _, w in held:
+            w.close()
+
+
+@pytest.mark.asyncio
+async def test_an_idle_connection_is_closed(vault):
+    """Idle connections were held about an hour (aiohttp's default keep-alive, 3,630 s):
+    one that never sends, one idle after a request, one whose head trickles in forever."""
+    import asyncio
+
+    options = ServerOptions(idle_timeout_s=0.3)
+    async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
+        silent = await asyncio.open_connection("127.0.0.1", srv.port)  # never sends
+        served = await _kept_alive(srv.port)  # idle after a request
+        slow = await asyncio.open_connection("127.0.0.1", srv.port)  # a head that never ends
+        slow[1].write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    slow[1].write(b"X-Slow: 1\r\n")
+                    await slow[1].drain()
+                    await asyncio.sleep(0.05)
+
+        dripping = asyncio.create_task(trickle())
+        async with asyncio.timeout(10):  # the server closes all three (EOF)
+            assert await silent[0].read() == b""
+            assert await served[0].read() == b""
+            assert await slow[0].read() == b""
+        dripping.cancel()
+        for _, w in (silent, served, slow):
+            w.close()

@@ -687,6 +687,39 @@ def test_backbone_is_hashed_once_until_it_changes(vault, tmp_path, monkeypatch):
     assert v.verify_backbone() and v.verify_backbone() and len(hashed) == 5
 
 
+@pytest.mark.asyncio
+async def test_bit_rot_under_unchanged_metadata_fails_the_first_request(
+    vault, tmp_path, monkeypatch
+):
+    """Bytes of backbone.safetensors rotted on the device with its size, times and inode
+    unchanged (issue 30: a loop-mounted image; here the memo is made to match the rotted
+    file's metadata). The memo used to let it load and generate other tokens silently; now
+    the engine hashes it again in the background and no request gets a token."""
+    import smoe.vault.format as fmt
+    from smoe.engine import Engine
+    from smoe.errors import VaultError
+
+    path = _copy(vault, tmp_path)
+    monkeypatch.setattr(fmt, "_RACY_NS", 0)
+    assert fmt.Vault.open(path).verify_backbone()  # hashed good: the memo is written
+    backbone = path / "backbone.safetensors"
+    _flip(backbone, backbone.stat().st_size - 100)
+    memo = path / "stats" / fmt.BACKBONE_MEMO
+    key = json.loads(memo.read_text()) | fmt._stat_key(backbone.stat())
+    memo.write_text(json.dumps(key))  # as if the rot left every time alone
+    assert fmt.Vault.open(path).backbone_remembered()
+
+    async def tokens(engine):
+        return [ev.token async for ev in engine.generate([1, 2, 3], max_tokens=2)]
+
+    async with Engine.open(path, workers=1) as engine:
+        for _ in range(2):  # every request, not only the first
+            with pytest.raises(VaultError, match="does not match its checksum"):
+                await tokens(engine)
+        with pytest.raises(VaultError):
+            await engine.logits([1, 2, 3])
+
+
 def test_new_vaults_checksum_records_backbone_and_config_with_xxh3(vault):
     from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 

@@ -272,6 +272,8 @@ async def _serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     if not guard.loopback_only and not api_key:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
+    if not args.idle_timeout > 0 or args.max_connections < 1:
+        raise SmoeError("--idle-timeout must be above 0 and --max-connections at least 1")
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
     vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
@@ -288,6 +290,8 @@ async def _serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         api_key=api_key,
         guard=guard,
+        idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
         max_queue=args.max_queue,
         model_name=Path(vault).name,
         temperature=temperature,
@@ -715,6 +719,20 @@ def add_serve(sub: Any) -> None:
         metavar="ORIGIN",
         help="let browser requests from this web origin in, e.g. http://localhost:3000 "
         "(repeatable; '*': any; default: the server's own names only)",
+    )
+    sv.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection idle this long: nothing sent, a request head that does not "
+        "end, or between requests (default 30)",
+    )
+    sv.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="connections open at once; past it a new one gets 503 (default 512)",
     )
     sv.add_argument(
         "--max-queue",

@@ -98,6 +98,8 @@ class Engine(GroupAPI):
         # I/O threads: options.workers, or the disk's choice when the engine opens
         self.workers = options.workers or DEFAULT_WORKERS
         self.workers_line: str | None = None  # how they were chosen, where a probe ran
+        # The backbone's hash running in the background (see __aenter__), or None.
+        self._backbone_check: asyncio.Future[bool] | None = None
 
     @classmethod
     def open(
@@ -124,8 +126,15 @@ class Engine(GroupAPI):
         self.fit = plan.fit
         if plan.fit is not None:
             log.info(plan.fit.line())
-        # The backbone is untrusted: hash it (once per change of the file) before loading it.
-        await anyio.to_thread.run_sync(self.vault.verify_backbone)
+        # The backbone is untrusted: hash it before loading it, or, where its last hash was
+        # good and its metadata has not changed since, in the background while the engine
+        # opens (bit rot keeps metadata); every request waits for that before its first
+        # token (``_backbone_checked``).
+        if self.vault.backbone_remembered():
+            rehash = functools.partial(self.vault.verify_backbone, force=True)
+            self._backbone_check = asyncio.ensure_future(anyio.to_thread.run_sync(rehash))
+        else:
+            await anyio.to_thread.run_sync(self.vault.verify_backbone)
         self.compute = ComputeThread()
         try:
             if self.options.distributed is not None:
@@ -339,8 +348,17 @@ class Engine(GroupAPI):
         if hasattr(self, "batcher"):
             await self.batcher.close(error)
 
+    async def _backbone_checked(self) -> None:
+        """Until the backbone's background hash is done; VaultError (every time) if the file
+        does not match its checksum: no request gets a token computed with it."""
+        if self._backbone_check is not None:
+            await asyncio.shield(self._backbone_check)
+
     async def aclose(self) -> None:
         """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
+        if self._backbone_check is not None:  # (its outcome is the requests'; here it ends)
+            with contextlib.suppress(Exception):
+                await self._backbone_check
         if hasattr(self, "batcher"):
             await self.batcher.close()
         if self.leader is not None:
@@ -550,8 +568,10 @@ class Engine(GroupAPI):
         """Hold the engine: no generation step or other compute job starts until the block
         ends (the one in progress finishes first). For work on a sequence's cache outside a
         generation (save, load, fork) and for tests that need the engine still. Cancelling
-        the wait for it raises CancelledError and holds nothing."""
+        the wait for it raises CancelledError and holds nothing; VaultError if the
+        backbone's background hash found it damaged."""
         self._refuse_while_leading("saving, loading or forking a conversation's cache")
+        await self._backbone_checked()  # (what runs inside may compute with the backbone)
         async with self._lock:
             yield
 
@@ -560,6 +580,7 @@ class Engine(GroupAPI):
         than which experts the ring happens to hold."""
         ids = self.check_prompt(token_ids)
         self._refuse_while_leading("teacher-forced logits")
+        await self._backbone_checked()
         async with self._lock:
             self._demand_arrives()
             return await self.compute.run(self.runner.logits, ids)
@@ -673,6 +694,7 @@ class Engine(GroupAPI):
         Leaving the iteration early takes the request out of the batch."""
         if not self._opened:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        await self._backbone_checked()
         ticket = Ticket(prepare, max_tokens, eos)
         ticket.request = request  # what the other ranks run, when they follow this one
         self.batcher.submit(ticket)

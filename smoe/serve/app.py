@@ -59,6 +59,7 @@ from smoe.serve.completion import (
     stream_failure,
 )
 from smoe.serve.guard import Guard, key_matches
+from smoe.serve.listener import listen
 from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from smoe.serve.metrics import render as render_metrics
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
@@ -118,6 +119,10 @@ class ServerOptions:
     # then wait at most shutdown_s for the handlers to finish writing.
     end_requests_on_stop: bool = True
     shutdown_s: float = 10.0
+    # A socket idle this long (nothing sent yet, or between requests) is closed; past
+    # max_connections open at once a new one gets 503 and is closed (smoe/serve/listener.py).
+    idle_timeout_s: float = 30.0
+    max_connections: int = 512
 
 
 @dataclass
@@ -661,18 +666,18 @@ async def serve(
         access_log=None,
         logger=http_log,
         shutdown_timeout=options.shutdown_s,
+        keepalive_timeout=options.idle_timeout_s,  # idle sockets, before and between requests
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        listening, _ = await listen(runner, host, port, options.max_connections)
     except OSError as e:
         await runner.cleanup()
         raise SmoeError(bind_failure(host, port, e)) from e
     if options.prewarm_when_idle:
         engine.prewarm()  # idle from the start
     if ready is not None:
-        sockets = site._server.sockets if site._server is not None else []  # type: ignore[attr-defined]
+        sockets = listening.sockets
         ready(sockets[0].getsockname()[1] if sockets else port)
     try:
         await anyio.sleep_forever()
@@ -681,8 +686,7 @@ async def serve(
         # flight after the step in progress (each stream sends its error event and ends),
         # then give the handlers up to shutdown_s to finish writing.
         with anyio.CancelScope(shield=True):
-            for listening in list(runner.sites):
-                await listening.stop()
+            listening.close()
             if options.end_requests_on_stop:
                 await engine.end_requests(
                     ShuttingDown("the server is shutting down; retry on its next start")

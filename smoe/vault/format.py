@@ -311,6 +311,23 @@ class Vault:
                 pass  # a read-only vault is hashed on every open
         return True
 
+    def backbone_remembered(self) -> bool:
+        """Whether backbone.safetensors last hashed good and its size, times and inode are
+        unchanged since (stats/backbone-verified.json). Metadata alone cannot see bit rot
+        under an unchanged file, so the engine then hashes it again in the background
+        (``verify_backbone(force=True)``) rather than before it opens."""
+        entry = self.manifest.backbone.get("checksum")
+        if entry is None:
+            return False
+        try:
+            st = os.stat(self.backbone_path)
+        except OSError:
+            return False
+        key = {"file": BACKBONE_FILE, **_stat_key(st)}
+        return bool(
+            self._memo() == {**key, "algorithm": entry["algorithm"], "value": entry["value"]}
+        )
+
     def _memo(self) -> Any:
         try:
             return json.loads((self.stats_dir / BACKBONE_MEMO).read_bytes())

@@ -119,6 +119,10 @@ class Source(Vault):
         open). Returns False, as for a vault without a backbone checksum."""
         return False
 
+    def backbone_remembered(self) -> bool:
+        """As Vault's: a download has no checksum to remember."""
+        return False
+
     @classmethod
     def open(cls, path: Path | str) -> Source:
         """Index the checkpoint folder at ``path``. Raises CheckpointError for missing or
