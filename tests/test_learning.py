@@ -289,3 +289,24 @@ async def test_counts_add_per_layer_whether_a_layer_comes_once_or_again(shared_v
     pop.add_counts([layers[0], layers[0]], np.ones((2, e)))  # the same layer twice: both add
     assert np.array_equal(pop.session[0], counts[0] + 2)
     assert np.array_equal(pop.session[1:], counts[1:])
+
+
+def test_a_vault_replaced_while_running_does_not_get_the_old_counts(shared_vault, tmp_path):
+    """`smoe convert --force` under a running server replaced the folder, and the server's
+    save on exit wrote the old model's counts into the new vault (issue 30)."""
+    import json
+    import shutil
+
+    path = fresh_copy(shared_vault, tmp_path).path
+    pop = Popularity(shared_vault.open(path))
+    pop.add_counts(pop.layers, np.ones(pop.shape))
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["created_by"] = "another conversion"  # any other manifest
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(path)
+    other.rename(path)  # the folder now holds another vault
+    with pytest.warns(UserWarning, match="replaced by another vault"):
+        assert pop.save() is None
+    assert not (path / "stats" / "popularity.npz").exists()

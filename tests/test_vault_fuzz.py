@@ -720,6 +720,26 @@ async def test_bit_rot_under_unchanged_metadata_fails_the_first_request(
             await engine.logits([1, 2, 3])
 
 
+@pytest.mark.parametrize("where", ["record", "backbone"])
+def test_export_of_a_damaged_vault_is_refused_and_writes_nothing(vault, tmp_path, run_cli, where):
+    """`smoe export` of a vault with a flipped byte exited 0, and mlx-lm then produced
+    [0, 0, 0, ...] (issue 30). Now the bytes are checked as they are copied: one line,
+    exit 2, no folder (and the files it writes are fsynced)."""
+    bad = _copy(vault, tmp_path)
+    m = vault.manifest
+    if where == "record":
+        _flip(bad / "experts.bin", 3 * m.record.stride + 10)
+    else:
+        _flip(bad / "backbone.safetensors", (bad / "backbone.safetensors").stat().st_size - 100)
+    out = tmp_path / "mlx"
+    code, _, err = run_cli("export", bad, out)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "does not match its checksum" in err
+    assert not out.exists() and not list(tmp_path.glob(".mlx*"))
+    code, _, err = run_cli("export", vault.path, out)  # the good vault exports
+    assert code == 0 and (out / "model.safetensors").is_file(), err
+
+
 def test_new_vaults_checksum_records_backbone_and_config_with_xxh3(vault):
     from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 

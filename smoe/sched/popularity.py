@@ -14,6 +14,7 @@ warning, and the history starts afresh: it is a cache, never a reason to refuse 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from smoe.util.files import atomic_write, file_lock, kill_point, sweep_stale
 from smoe.vault.format import Vault
+from smoe.vault.names import MANIFEST
 
 FILE = "popularity.npz"
 CORRUPT = FILE + ".corrupt"
@@ -38,6 +40,10 @@ class Popularity:
         self._pos = {layer: i for i, layer in enumerate(self.layers)}
         self.shape = (len(self.layers), m.num_experts)
         self.session = np.zeros(self.shape, np.float64)  # this run's counts, merged on save
+        # The vault these counts are of: a conversion with --force may replace the folder
+        # while we run (save then keeps nothing rather than write into the new model's).
+        self.manifest_path = vault.path / MANIFEST
+        self._manifest_digest = _digest(self.manifest_path)
         sweep_stale(vault.stats_dir)  # temporaries of saves that were killed
         self.counts = self._load()
 
@@ -117,6 +123,14 @@ class Popularity:
         None if nothing was written."""
         if not self.session.any():
             return None
+        if _digest(self.manifest_path) != self._manifest_digest:
+            warnings.warn(
+                f"{self.manifest_path.parent} was replaced by another vault while this run "
+                "used it (a conversion with --force): this run's expert popularity is not "
+                "kept there",
+                stacklevel=2,
+            )
+            return None
         try:
             self.path.parent.mkdir(exist_ok=True)
             with file_lock(self.lock_path):
@@ -133,3 +147,11 @@ class Popularity:
             return None
         self.counts, self.session = merged, np.zeros_like(merged)
         return self.path
+
+
+def _digest(path: Path) -> str | None:
+    """sha256 of a (small) file, or None if it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None

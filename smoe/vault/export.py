@@ -13,15 +13,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from smoe.errors import SmoeError
-from smoe.util.files import remove_tree, replace_dir, write_json_atomic
+from smoe.errors import SmoeError, VaultError
+from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
 from smoe.vault.format import Vault
+from smoe.vault.integrity import hasher
 from smoe.vault.names import MANIFEST, STATS_DIR
 from smoe.vault.tensorfile import write_safetensors
 
 
-def read_layer(vault: Vault, layer: int) -> dict[str, mx.array]:
-    """One MoE layer's experts from experts.bin, as {component: [E, ...]} arrays."""
+def read_layer(vault: Vault, layer: int, verify: bool = False) -> dict[str, mx.array]:
+    """One MoE layer's experts from experts.bin, as {component: [E, ...]} arrays.
+    ``verify``: each record checked against its checksum in the manifest (VaultError
+    naming the first bad one)."""
     m = vault.manifest
     n, stride = m.num_experts, m.record.stride
     buf = np.empty((n, stride), dtype=np.uint8)
@@ -29,6 +32,16 @@ def read_layer(vault: Vault, layer: int) -> dict[str, mx.array]:
         f.seek(m.layer_position(layer) * n * stride)
         if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
             raise SmoeError(f"{vault.experts_path} is truncated; run 'smoe inspect --verify'")
+    if verify and m.checksums:
+        checksum = hasher(m.checksum_algorithm)
+        for expert in range(n):
+            i = m.record_index(layer, expert)
+            if checksum(memoryview(buf[expert, : m.record.size])) != m.checksums[i]:
+                raise VaultError(
+                    f"expert {expert} of layer {layer} (record {i}) in {vault.experts_path} "
+                    "does not match its checksum: nothing was exported; run 'smoe inspect "
+                    "--verify', or convert the model again"
+                )
     out = {}
     for c in m.record.components:
         raw = mx.array(np.ascontiguousarray(buf[:, c.offset : c.offset + c.nbytes]))
@@ -37,7 +50,10 @@ def read_layer(vault: Vault, layer: int) -> dict[str, mx.array]:
 
 
 def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
-    """Write an mlx-lm model folder (config, tokenizer, one model.safetensors) for ``vault``."""
+    """Write an mlx-lm model folder (config, tokenizer, one model.safetensors) for ``vault``,
+    from bytes checked against the manifest (the backbone hashed, each record's checksum),
+    every file fsynced before the folder takes its name. VaultError names what is damaged;
+    nothing is left at ``out`` then (a folder already there stays as it was)."""
     out = Path(out)
     if out.exists() and not force:
         raise SmoeError(f"{out} exists; pass --force to replace it")
@@ -45,9 +61,10 @@ def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
     remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
+        vault.verify_backbone(force=True)  # (what mlx-lm will run: hashed now)
         tensors = dict(mx.load(str(vault.backbone_path)))
         for spec in vault.manifest.layers:
-            for name, a in read_layer(vault, spec.layer).items():
+            for name, a in read_layer(vault, spec.layer, verify=True).items():
                 tensors[f"{spec.module}.{name}"] = a
         write_safetensors(tmp / "model.safetensors", tensors, {"format": "mlx"})
         write_json_atomic(tmp / "config.json", vault.config())
@@ -60,6 +77,7 @@ def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
                 and p.name != STATS_DIR
             ):
                 shutil.copyfile(p, tmp / p.name)
+                fsync_path(tmp / p.name)
         replace_dir(tmp, out)
     except BaseException:
         remove_tree(tmp)
