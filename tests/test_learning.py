@@ -291,7 +291,7 @@ async def test_counts_add_per_layer_whether_a_layer_comes_once_or_again(shared_v
     assert np.array_equal(pop.session[1:], counts[1:])
 
 
-def test_a_vault_replaced_while_running_does_not_get_the_old_counts(shared_vault, tmp_path):
+async def test_a_vault_replaced_while_running_does_not_get_the_old_counts(shared_vault, tmp_path):
     """`smoe convert --force` under a running server replaced the folder, and the server's
     save on exit wrote the old model's counts into the new vault (issue 30)."""
     import json
