@@ -187,7 +187,9 @@ def test_cli_generate_json(vault, run_cli):
         (["--prompt-ids", "1,2", "--policy", "arc+hint"], "takes no hints"),
         (["--prompt-ids", "1,2", "--policy", "bogus"], "unknown policy 'bogus'"),
         (["--prompt-ids", "1,2", "--spec", "-1"], "spec (gate-echo bets) must lie in 0..6"),
-        (["--prompt-ids", "1,2", "--workers", "0"], "workers must be at least 1"),
+        (["--prompt-ids", "1,2", "--workers", "0"], "workers must lie in 1..256"),
+        # issue 30 (CLI fuzz): 10**20 I/O threads were started until the machine gave out
+        (["--prompt-ids", "1,2", "--workers", "99999999999999999999"], "workers must lie in"),
         # issue 30: 100 million slots were allocated and crashed (SIGSEGV, no message)
         (["--prompt-ids", "1,2", "--slots", "100000000"], "is more than the 24 experts"),
         (["--prompt-ids", "1,2", "--prefill-chunk", "0"], "prefill_chunk must be at least 1"),

@@ -30,7 +30,7 @@ def add_dtype(p: Any) -> None:
 
 def worker_count(text: str) -> int | None:
     """--workers: "auto" (None: the engine probes the disk) or a whole number (the engine
-    refuses one below 1 in its own one-line error)."""
+    refuses one outside 1..256 in its own one-line error, before any thread starts)."""
     if text == "auto":
         return None
     try:

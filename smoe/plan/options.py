@@ -11,6 +11,9 @@ from smoe.plan.budget import KV_BITS  # quantized KV cache widths offered (one l
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
+MAX_WORKERS = 256  # I/O threads: far past what any disk rewards (--workers auto picks <= 16)
+MAX_READ_PARTS = 64  # parts a record is read in at once, each a thread's read
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -61,10 +64,12 @@ class EngineOptions:
             raise SmoeError("prefill_chunk must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
-        if self.workers is not None and self.workers < 1:
-            raise SmoeError("workers must be at least 1")
-        if self.read_parts is not None and self.read_parts < 1:
-            raise SmoeError("read_parts must be at least 1 (1 reads each record whole)")
+        if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:
+            raise SmoeError(f"workers must lie in 1..{MAX_WORKERS} (one I/O thread each)")
+        if self.read_parts is not None and not 1 <= self.read_parts <= MAX_READ_PARTS:
+            raise SmoeError(
+                f"read_parts must lie in 1..{MAX_READ_PARTS} (1 reads each record whole)"
+            )
         if self.max_context is not None and self.max_context < 2:
             raise SmoeError("max_context must be at least 2 tokens (a prompt and a reply)")
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
