@@ -234,8 +234,11 @@ class Batcher:
 
     async def close(self, error: SmoeError | None = None) -> None:
         """Stop the loop after the job in progress; every unfinished ticket gets ``error``
-        (default: SmoeError "the engine closed during the request"). Across ranks, the iteration in progress completes first (every
-        rank runs it) and the other ranks are told to stop. Idempotent."""
+        (default: SmoeError "the engine closed during the request"). Across ranks, the
+        iteration in progress completes first (every rank runs it) and the other ranks are
+        told to stop, once. Idempotent: a second call returns at once."""
+        if self._closed:
+            return
         self._closed = True
         if self.coordinator is not None:
             async with self.lock:  # between iterations: no rank is inside a pass
