@@ -208,7 +208,8 @@ async def test_an_idle_connection_is_closed(vault):
     one that never sends, one idle after a request, one whose head trickles in forever."""
     import asyncio
 
-    options = ServerOptions(idle_timeout_s=0.3)
+    # 2 s: long enough for the first request to be answered on a loaded machine first
+    options = ServerOptions(idle_timeout_s=2.0)
     async with Engine.open(vault.path) as engine, Running(engine, options) as srv:
         silent = await asyncio.open_connection("127.0.0.1", srv.port)  # never sends
         served = await _kept_alive(srv.port)  # idle after a request
