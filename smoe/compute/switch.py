@@ -30,8 +30,11 @@ class Parts:
     row is put back at its (token, rank) position, so the block's rank-order combination
     is the single call's."""
 
-    def __init__(self, x: mx.array, idx: np.ndarray) -> None:
+    def __init__(self, x: mx.array, idx: np.ndarray, evaluate: bool = True) -> None:
         # N = tokens, k = ranks, D = hidden, P = (token, rank) pairs of one part
+        # evaluate: each part is evaluated as it is added (waves, whose slots are released
+        # after each); False leaves the assembly lazy for the caller's one evaluation.
+        self.evaluate = evaluate
         self.sorted = idx.size >= SORT_FROM  # mlx-lm would make this call sorted
         self.shape = idx.shape
         self.k = idx.shape[-1]
@@ -46,7 +49,8 @@ class Parts:
         if self.out is None:
             self.out = mx.zeros((self.flat_idx.shape[0], self.k, y.shape[-1]), dtype=y.dtype)
         self.out[mx.array(rows), mx.array(ranks)] = y[:, 0]
-        mx.eval(self.out)
+        if self.evaluate:
+            mx.eval(self.out)
 
     def result(self) -> mx.array:
         assert self.out is not None
