@@ -214,7 +214,7 @@ async def test_an_impossible_budget_is_refused_before_anything_loads(vault):
     assert "\n" not in str(info.value)
     assert threading.active_count() == threads  # no compute thread, no I/O workers
     assert not any(p.endswith(("experts.bin", "backbone.safetensors")) for p in _open_files())
-    assert not hasattr(engine, "compute") and not hasattr(engine, "ring")
+    assert engine.debug.compute is None and engine.debug.ring is None
     await engine.aclose()
 
 

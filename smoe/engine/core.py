@@ -25,36 +25,30 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 import numpy as np
 
-from smoe.compute.draft import Drafting
 from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
-from smoe.engine.batcher import Batcher, Meter, Ticket
+from smoe.engine.batcher import Batcher, Ticket
+from smoe.engine.build import Parts, open_parts
 from smoe.engine.events import Event, GenerationStats
-from smoe.engine.group_api import GroupAPI
+from smoe.engine.group import Group
 from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
 from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
-from smoe.engine.tokenizer import load_tokenizer
 from smoe.errors import SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
-from smoe.io.open import open_reader
 from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
-from smoe.io.staged import StagedRing
-from smoe.io.unified import UnifiedRing
-from smoe.parallel.watchdog import Watchdog
 from smoe.plan.budget import Fit
 from smoe.plan.options import EngineOptions
+from smoe.plan.plan import Plan
 from smoe.plan.plan import plan as plan_engine
-from smoe.plan.ring import RingPlan, current_device
-from smoe.sched.hints import split_policy_name
-from smoe.sched.policy import PinnedHot
 from smoe.sched.popularity import Popularity
 from smoe.sched.scheduler import ExpertScheduler
+from smoe.sched.types import Priority
 from smoe.vault.format import Vault
 from smoe.vault.source import open_model
 
@@ -77,7 +71,7 @@ def _batchable(model_type: str) -> bool:
     return arch is not None and arch.batched_decode
 
 
-class Engine(GroupAPI):
+class Engine:
     """A vault (or a checkpoint folder, streamed from its shards) opened for inference.
     Create with ``Engine.open`` and use as ``async with``."""
 
@@ -88,13 +82,12 @@ class Engine(GroupAPI):
         self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
         self._lock = asyncio.Lock()  # one job at a time on the compute thread
         self._opened = False
-        # Expert parallelism (options.distributed): this process's place among the ranks;
-        # None when one process computes every expert.
-        self.ranks: Ranks | None = None
-        self.leader: Leader | None = None  # rank 0 announcing its requests (``lead``)
+        self._parts: Parts | None = None  # the parts, while open (smoe.engine.build)
+        self._group: Group | None = None  # collectives and leading, while open
+        self._stack = contextlib.AsyncExitStack()  # every part's way down (``aclose``)
+        self._plan: Plan | None = None
         self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.plan.budget)
         self.max_batch = 1  # generations decoded together: options.max_batch on this device
-        self.rules: Any = None  # the device's kernel rules (smoe.compute.solo_rows), or None
         # I/O threads: options.workers, or the disk's choice when the engine opens
         self.workers = options.workers or DEFAULT_WORKERS
         self.workers_line: str | None = None  # how they were chosen, where a probe ran
@@ -123,9 +116,9 @@ class Engine(GroupAPI):
             if self.workers_line is not None:
                 log.info(self.workers_line)
         plan = self._check_and_plan()
-        self.fit = plan.fit
-        if plan.fit is not None:
-            log.info(plan.fit.line())
+        self.fit = plan.ring.fit
+        if self.fit is not None:
+            log.info(self.fit.line())
         # The backbone is untrusted: hash it before loading it, or, where its last hash was
         # good and its metadata has not changed since, in the background while the engine
         # opens (bit rot keeps metadata); every request waits for that before its first
@@ -135,27 +128,15 @@ class Engine(GroupAPI):
             self._backbone_check = asyncio.ensure_future(anyio.to_thread.run_sync(rehash))
         else:
             await anyio.to_thread.run_sync(self.vault.verify_backbone)
-        self.compute = ComputeThread()
         try:
-            if self.options.distributed is not None:
-                plan = await self._join_group(plan)
-            self.ring = await self.compute.run(self._make_ring, plan.kind, plan.slots)
-            self._start_io()
-            self._wire_to_loop(asyncio.get_running_loop())
-            self.runner = await self.compute.run(self._build)
-            self.tokenizer = await self.compute.run(self._load_tokenizer)
+            self._parts = await open_parts(
+                self.vault, self.options, plan, self.workers, self.tracer, self._lock, self._stack
+            )
         except BaseException:
             await self.aclose()
             raise
-        self.batcher = Batcher(
-            self.compute,
-            self.runner,
-            self._lock,
-            self._meter,
-            max_batch=self.max_batch,
-            on_demand=self._demand_arrives,
-            draft=self.runner.step_draft if self.runner.drafting is not None else None,
-            timeline=self.runner.timeline,
+        self._group = Group(
+            self._parts, self.vault.manifest.num_records, self._lock, self.point, self._stack
         )
         self._opened = True
         return self
@@ -170,7 +151,7 @@ class Engine(GroupAPI):
                 f"(docs/distributed.md), or run the full vault"
             )
 
-    def _check_and_plan(self) -> RingPlan:
+    def _check_and_plan(self) -> Plan:
         """Options checked, device and dtype chosen, the ring planned (smoe.plan.plan, the
         call `smoe plan` makes too): nothing started."""
         p = plan_engine(
@@ -179,13 +160,9 @@ class Engine(GroupAPI):
             workers=self.workers,
             batchable=_batchable(self.vault.config()["model_type"]),
         )
-        self._device, self.dtype, self.rules = p.mlx_device, p.dtype, p.rules
-        self.max_batch, self.max_context, self.kv_group_size = (
-            p.max_batch,
-            p.max_context,
-            p.kv_group_size,
-        )
-        return p.ring
+        self._plan, self._device, self.dtype = p, p.mlx_device, p.dtype
+        self.max_batch, self.max_context = p.max_batch, p.max_context
+        return p
 
     async def _auto_workers(self) -> tuple[int, str | None]:
         """The disk's worker count and how it was chosen (a probe runs on a thread; a
@@ -196,148 +173,6 @@ class Engine(GroupAPI):
             return DEFAULT_WORKERS, None
         return await anyio.to_thread.run_sync(disk_probe.auto_workers, path, stride, size)
 
-    async def _join_group(self, plan: RingPlan) -> RingPlan:
-        """Join the expert-parallel ranks (engine/ranks.py); this rank's ring holds its own
-        experts at most."""
-        assert self.options.distributed is not None
-        self.popularity = Popularity(self.vault)
-        watchdog = Watchdog(self.options.collective_timeout)
-        self.ranks = await Ranks.join(
-            self.compute, self.vault, self.options.distributed, self.popularity.counts, watchdog
-        )
-        return dataclasses.replace(plan, slots=self.ranks.ring_slots(plan.slots))
-
-    def _start_io(self) -> None:
-        """The I/O workers, the popularity counts and the scheduler over the ring."""
-        m, o = self.vault.manifest, self.options
-        self.reader: RecordReader = open_reader(
-            self.vault, self.ring, workers=self.workers, direct=o.direct_io, parts=o.read_parts
-        )
-        if not hasattr(self, "popularity"):
-            self.popularity = Popularity(self.vault)
-        self.tracer.observers.popularity = self.popularity
-        base, _ = split_policy_name(o.policy)
-        policy: Any = base
-        if base == "hot":  # pin the historically hottest half of the ring
-            policy = PinnedHot.from_counts(self.popularity.as_mapping(), self.ring.num_slots // 2)
-        self.scheduler = ExpertScheduler(
-            self.ring.num_slots,
-            self.reader,
-            record_of=lambda k: m.record_index(*k),
-            record_bytes=m.record.stride,
-            workers=self.workers,
-            runway=self.workers,  # each worker finds its next read queued (docs/architecture.md)
-            policy=policy,
-            # A ring holding every expert keeps each at its record's index: a layer's
-            # experts stay in one bank (one call), as mlx-lm holds them.
-            home=(lambda k: m.record_index(*k)) if self.ring.num_slots >= m.num_records else None,
-        )
-
-    def _wire_to_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """What the compute and I/O threads call back into the loop with: slot requests
-        (LoopSlots), router hints, and the staged ring's landed records."""
-        m, o = self.vault.manifest, self.options
-        if split_policy_name(o.policy)[1]:
-            top_k = m.shape.experts_per_token
-            self.tracer.hint_depth = o.hint_depth_for(top_k, m.num_experts)
-
-            def hint(layer: int, experts: list[int]) -> None:  # the compute thread's call
-                loop.call_soon_threadsafe(self.scheduler.hint, layer, experts)
-
-            self.tracer.observers.hint = hint
-        # A ring holding every expert serves layers from device tables; not across ranks,
-        # where each layer computes this rank's experts only.
-        every_key: list[tuple[int, int]] | None = [
-            (spec.layer, e) for spec in m.layers for e in range(m.num_experts)
-        ]
-        if self.ranks is not None:
-            every_key = None
-        self.slots = LoopSlots(self.scheduler, loop, self.ring, every_key)
-        self._commit_queued = False
-        if isinstance(self.ring, StagedRing):
-
-            def landed() -> None:  # an I/O thread's call: commit on the loop, soon
-                loop.call_soon_threadsafe(self._commit_soon)
-
-            self.ring.on_landed = landed
-
-    def _make_ring(self, kind: str, slots: int) -> ExpertRing:
-        """The ring (on the compute thread: its arrays belong to that thread's device)."""
-        import mlx.core as mx
-
-        mx.set_default_device(self._device)
-        layout = self.vault.manifest.record
-        if kind == "unified":
-            return UnifiedRing(layout, slots)
-        return StagedRing.for_vault(
-            self.vault.manifest,
-            slots,
-            self.dtype,
-            workers=self.workers,
-            gpu=self._device == mx.gpu,
-            discrete=current_device(self._device).discrete,
-            max_bank_bytes=self.options.bank_bytes,
-        )
-
-    def _commit_soon(self) -> None:
-        """A record landed: have the compute thread commit it, even when idle (once queued,
-        a commit job takes every landing that arrives before it runs)."""
-        if self._commit_queued or not hasattr(self, "compute"):
-            return
-        self._commit_queued = True
-
-        def job() -> None:
-            self._commit_queued = False
-            self.ring.commit()
-
-        try:
-            self.compute.submit(job)
-        except RuntimeError:  # the compute thread is shutting down
-            self._commit_queued = False
-
-    def _build(self) -> Runner:
-        import mlx.core as mx
-
-        from smoe.compute.model import build_model, moe_routers
-        from smoe.compute.rowwise import RowwiseAttention, install_rowwise_attention
-        from smoe.compute.solo_rows import install_row_pieces, with_float_kernel
-        from smoe.compute.streaming import StreamingExperts
-
-        mx.set_default_device(self._device)  # the compute thread's MLX work
-        source, shards = (self.slots, None) if self.ranks is None else self.ranks.shards(self.slots)
-        model = build_model(
-            self.vault, self.ring, source, self.dtype, self.tracer, shards=shards, rules=self.rules
-        )
-        batchable = install_rowwise_attention(model, self.vault.config()["model_type"])
-        if self.rules is not None:  # after the attention wrap: a row-by-row one runs rows alone
-
-            def skip(m: object) -> bool:
-                unbatched = isinstance(m, RowwiseAttention) and not m.batched
-                return unbatched or isinstance(m, StreamingExperts)
-
-            install_row_pieces(model, skip, moe_routers(model, self.vault))
-            self.rules = with_float_kernel(self.rules, model)
-        layers = len(self.vault.manifest.layers)
-        o = self.options
-        return Runner(
-            model,
-            chunk=self.options.prefill_chunk,
-            tracer=self.tracer,
-            batchable=batchable,
-            kv_bits=self.options.kv_bits,
-            kv_group_size=self.kv_group_size,
-            # Decode is built a step ahead only when a pass needs nothing from the host.
-            resident=lambda: (
-                self.slots.all_resident(layers) and not self.tracer.needs_routing_now()
-            ),
-            drafting=Drafting.named(o.draft, o.draft_tokens) if o.draft else None,
-            rules=self.rules,
-        )
-
-    def _load_tokenizer(self) -> Any:
-        eos = self.vault.config().get("eos_token_id")
-        return load_tokenizer(self.vault.path, [eos] if isinstance(eos, int) else eos)
-
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
@@ -345,8 +180,8 @@ class Engine(GroupAPI):
         """Stop taking requests and end every one in progress or waiting, after the step in
         progress, with ``error`` (a server's streams then send their error event and end at
         once); the engine's parts stay up until ``aclose``. Idempotent."""
-        if hasattr(self, "batcher"):
-            await self.batcher.close(error)
+        if self._parts is not None:
+            await self._parts.batcher.close(error)
 
     async def _backbone_checked(self) -> None:
         """Until the backbone's background hash is done; VaultError (every time) if the file
@@ -355,36 +190,115 @@ class Engine(GroupAPI):
             await asyncio.shield(self._backbone_check)
 
     async def aclose(self) -> None:
-        """Wait for the step in progress, then stop the compute thread, scheduler and I/O."""
+        """Wait for the step in progress, then stop the compute thread, scheduler and I/O
+        (the parts' exit stack, smoe.engine.build). Idempotent."""
         if self._backbone_check is not None:  # (its outcome is the requests'; here it ends)
             with contextlib.suppress(Exception):
                 await self._backbone_check
-        if hasattr(self, "batcher"):
-            await self.batcher.close()
-        if self.leader is not None:
-            await self.leader.bell.close()
-        if hasattr(self, "compute"):
-            await self.compute.close()
-        if self.ranks is not None:
-            self.ranks.watchdog.close()
-        if hasattr(self, "ring"):
-            self.ring.close()  # a read waiting for a landing buffer gives up
-        if hasattr(self, "scheduler"):
-            await self.scheduler.close()
-        # Joining the I/O threads and saving the popularity counts (which waits for other
-        # processes' lock and fsyncs) happen off the loop: other tasks keep running.
-        if hasattr(self, "reader"):
-            await anyio.to_thread.run_sync(self.reader.close)
-        if hasattr(self, "popularity"):
-            await anyio.to_thread.run_sync(self.popularity.save)
         self._opened = False
-        # The model and its caches go now, not whenever a user's reference to us does.
-        for name in ("runner", "batcher"):
-            self.__dict__.pop(name, None)
-        if hasattr(self, "_device"):  # give the freed buffers back (a GPU's to other processes)
-            import mlx.core as mx
+        try:
+            await self._stack.aclose()
+        finally:
+            # The model and its caches go now, not whenever a user's reference to us does.
+            self._parts, self._group = None, None
+            if self._plan is not None:  # give the freed buffers back (a GPU's to others)
+                import mlx.core as mx
 
-            mx.clear_cache()
+                mx.clear_cache()
+
+    # ---------------------------------------------------------------- parts
+    def _open_parts(self) -> Parts:
+        if self._parts is None:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        return self._parts
+
+    @property
+    def compute(self) -> ComputeThread:
+        """The compute thread: ``await engine.compute.run(fn, *args)`` runs MLX work."""
+        return self._open_parts().compute
+
+    @property
+    def runner(self) -> Runner:
+        """The model's runner (compute thread only)."""
+        return self._open_parts().runner
+
+    @property
+    def batcher(self) -> Batcher:
+        return self._open_parts().batcher
+
+    @property
+    def scheduler(self) -> ExpertScheduler:
+        return self._open_parts().scheduler
+
+    @property
+    def ring(self) -> ExpertRing:
+        return self._open_parts().ring
+
+    @property
+    def reader(self) -> RecordReader:
+        return self._open_parts().reader
+
+    @property
+    def slots(self) -> LoopSlots:
+        return self._open_parts().slots
+
+    @property
+    def popularity(self) -> Popularity:
+        return self._open_parts().popularity
+
+    @property
+    def tokenizer(self) -> Any:
+        """The vault's tokenizer, or None where it has none."""
+        return self._open_parts().tokenizer
+
+    @property
+    def ranks(self) -> Ranks | None:
+        """This process's place among expert-parallel ranks; None for one process (and
+        before the engine opens)."""
+        return self._parts.ranks if self._parts is not None else None
+
+    @property
+    def leader(self) -> Leader | None:
+        """Rank 0 announcing its requests to the others (``lead``), or None."""
+        return self._group.leader if self._group is not None else None
+
+    @property
+    def rules(self) -> Any:
+        """The device's kernel rules (smoe.compute.solo_rows), or None."""
+        if self._parts is not None:
+            return self._parts.runner.rules
+        return self._plan.rules if self._plan is not None else None
+
+    # ---------------------------------------------------------------- ranks
+    def _open_group(self) -> Group:
+        if self._group is None:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        return self._group
+
+    async def from_rank0(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
+        every rank calls it at the same point. GroupError if the group broke."""
+        return await self._open_group().from_rank0(value)
+
+    async def rank_stats(self) -> list[dict[str, Any]]:
+        """Each rank's I/O so far, in rank order (this process's alone without ranks):
+        experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
+        over ranks with their seconds. A collective, as ``from_rank0``."""
+        return await self._open_group().rank_stats()
+
+    async def lead(self) -> None:
+        """Rank 0: announce every request to the other ranks, which run them too (they
+        call ``follow``). See smoe.engine.group.Group.lead for errors."""
+        await self._open_group().lead()
+
+    async def follow(self) -> None:
+        """Another rank: run rank 0's requests until it ends the group. See
+        smoe.engine.group.Group.follow for errors and cancellation."""
+        await self._open_group().follow()
+
+    def _refuse_while_leading(self, what: str) -> None:
+        if self._group is not None:
+            self._group.refuse_while_leading(what)
 
     @property
     def is_open(self) -> bool:
@@ -431,7 +345,11 @@ class Engine(GroupAPI):
         return EngineStats(
             scheduler=sched.stats,
             ring=RingStats(sched.num_slots, sched.fill(), slot_size(self.ring), self.ring.nbytes),
-            queues=QueueStats(sched.queue_depth(0), sched.queue_depth(1), sched.in_flight),
+            queues=QueueStats(
+                sched.queue_depth(Priority.DEMAND),
+                sched.queue_depth(Priority.SPECULATIVE),
+                sched.in_flight,
+            ),
             batch=BatchStats(
                 len(batcher.active),
                 batcher.queued,
@@ -452,7 +370,8 @@ class Engine(GroupAPI):
         API); a part not made yet, or gone since close, is None. Each part keeps its own
         thread rules."""
         names = [f.name for f in dataclasses.fields(EngineInternals)]
-        return EngineInternals(**{name: getattr(self, name, None) for name in names})
+        found = {name: getattr(self._parts, name, None) for name in names}
+        return EngineInternals(**{**found, "tracer": self.tracer})
 
     @functools.cached_property
     def _dtype_note(self) -> str:
@@ -495,17 +414,6 @@ class Engine(GroupAPI):
         finally:
             observers.popularity = popularity
         return time.perf_counter() - start
-
-    def _meter(self) -> Meter:
-        sched = self.scheduler.stats
-        return Meter(
-            sched.bytes_read(),
-            sched.hits + self.slots.resident_hits,
-            sched.misses,
-            self.slots.wait_seconds,
-            self.tracer.counters.unique_experts,
-            getattr(self.ring, "commit_seconds", 0.0),
-        )
 
     def _demand_arrives(self) -> None:
         """Pre-warm and stale bets give way at once to a real request."""

@@ -1,13 +1,15 @@
-"""The expert-parallel part of ``Engine``'s API (docs/distributed.md), split out of
-engine/core.py for size: ``Engine`` inherits it. It reads the engine's ``ranks``,
-``batcher``, ``scheduler``, ``slots``, ``vault`` and ``_lock`` and sets ``leader``, all
-defined by ``Engine``; nothing else uses this class.
+"""The expert-parallel part of ``Engine``'s API (docs/distributed.md): a ``Group`` the
+engine holds once its parts are open (composition: it reads the parts it is given, and
+``Engine``'s ``from_rank0``, ``rank_stats``, ``lead`` and ``follow`` call it). Without
+ranks it answers for this process alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,25 +21,32 @@ from smoe.errors import SmoeError
 from smoe.parallel.doorbell import Bell, Door, rank0_address
 
 if TYPE_CHECKING:
-    from smoe.engine.batcher import Batcher
-    from smoe.vault.format import Vault
+    from smoe.engine.build import Parts
+
+# Engine.point: a sequence (or a new one) pointed at a prompt, and the tokens to prefill.
+Point = Callable[[Sequence_ | None, list[int], SamplingParams], tuple[Sequence_, int]]
 
 
-class GroupAPI:
-    """Collectives, per-rank figures, and rank 0 leading the others."""
+class Group:
+    """Collectives, per-rank figures, and rank 0 leading the others. Event loop only."""
 
-    ranks: Ranks | None
-    leader: Leader | None
-    batcher: Batcher
-    scheduler: Any
-    slots: Any
-    vault: Vault
-    _lock: asyncio.Lock
-
-    def point(
-        self, sequence: Sequence_ | None, ids: list[int], params: SamplingParams
-    ) -> tuple[Sequence_, int]:
-        raise NotImplementedError  # Engine.point: a sequence pointed at a prompt
+    def __init__(
+        self,
+        parts: Parts,
+        num_records: int,
+        lock: asyncio.Lock,
+        point: Point,
+        stack: contextlib.AsyncExitStack,
+    ) -> None:
+        self.ranks: Ranks | None = parts.ranks
+        self.leader: Leader | None = None  # set by ``lead``
+        self.batcher = parts.batcher
+        self.scheduler = parts.scheduler
+        self.slots = parts.slots
+        self.num_records = num_records
+        self._lock = lock
+        self.point = point
+        self._stack = stack  # the engine's: a leader's doorbell closes with it
 
     async def from_rank0(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
@@ -51,9 +60,8 @@ class GroupAPI:
         """Each rank's I/O so far, in rank order (this process's alone without ranks):
         experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
         over ranks with their seconds. A collective, as ``from_rank0``."""
-        m = self.vault.manifest
         if self.ranks is None:
-            return io_by_rank(np.array([self._my_io()]), [m.num_records])
+            return io_by_rank(np.array([self._my_io()]), [self.num_records])
         if self.leader is not None:  # the followers join it at the next iteration's start
             rows = await self.leader.gather(self.batcher)
         else:
@@ -91,6 +99,13 @@ class GroupAPI:
         gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
         self.leader = Leader(ranks.broadcast, Sequences(), gather, bell)
         self.batcher.coordinator = self.leader
+        batcher = self.batcher
+
+        async def stop_leading() -> None:  # the batcher tells the followers first
+            await batcher.close()
+            await bell.close()
+
+        self._stack.push_async_callback(stop_leading)
 
     async def follow(self) -> None:
         """Another rank: run rank 0's requests (it called ``lead``) until it ends the
@@ -109,6 +124,8 @@ class GroupAPI:
         gather = lambda: ranks.gather(self._my_io())  # noqa: E731 - a rank's row, on demand
         await follow(self.batcher, Follower(ranks.broadcast, prepare, gather, door))
 
-    def _refuse_while_leading(self, what: str) -> None:
+    def refuse_while_leading(self, what: str) -> None:
+        """SmoeError naming ``what`` while other ranks follow this one (they could not
+        mirror it)."""
         if self.leader is not None:
             raise SmoeError(f"{what} is not available while other ranks follow rank 0")
