@@ -120,7 +120,29 @@ def test_verify_reports_a_flipped_backbone_byte(vault, run_cli):
     assert "all 16 records match" in out  # the records themselves are fine
     code, out, _ = run_cli("inspect", vault.path, "--verify", "--json")
     files = {f["file"]: f["status"] for f in json.loads(out)["verify"]["files"]}
-    assert code == 1 and files == {"backbone.safetensors": "bad", "config.json": "ok"}
+    assert code == 1 and files == {
+        "backbone.safetensors": "bad",
+        "config.json": "ok",
+        "generation_config.json": "ok",  # the files copied from the source, checksummed
+    }
+
+
+def test_verify_reports_a_changed_tokenizer_file(vault, run_cli, tmp_path):
+    """The files a vault copies from its source (tokenizer, templates) are checksummed at
+    convert: --verify names one changed afterwards, and an engine refuses to load it."""
+    copied = vault.manifest.source["copied"]
+    assert copied and set(vault.manifest.source["checksums"]) == set(copied)
+    victim = vault.path / copied[0]
+    original = victim.read_bytes()
+    victim.write_bytes(original + b" ")
+    try:
+        code, out, _ = run_cli("inspect", vault.path, "--verify", "--quiet")
+        assert code == 1 and f"{victim} does not match its checksum" in out
+        code, _, err = run_cli("generate", vault.path, "--prompt-ids", "1,2", "--max-tokens", "1")
+        assert code == 2 and f"{victim} does not match its checksum" in err
+        assert "put it back from the source" in err and "Traceback" not in err
+    finally:
+        victim.write_bytes(original)
 
 
 @pytest.mark.parametrize("delta", [256, -256, 2**63])

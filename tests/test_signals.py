@@ -6,6 +6,7 @@ that way on purpose."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
@@ -139,3 +140,87 @@ def _until_generating(base: str, n: int) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("the requests never started")
+
+
+def _counting_stream(base: str, i: int, max_tokens: int, seen: list[int], ready) -> list[bytes]:
+    """A streamed completion's lines, counting its data events into ``seen[i]`` and
+    setting ``ready`` (a threading.Event) at each; a connection the server cuts ends it."""
+    body = json.dumps(
+        {"prompt": [5, 6, 7 + i], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    ).encode()
+    req = urllib.request.Request(
+        base + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    lines: list[bytes] = []
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                lines.append(line)
+                if line.startswith(b"data: "):
+                    seen[i] += 1
+                    ready.set()
+    except (OSError, http.client.HTTPException):  # cut by a second signal's exit
+        lines.append(b"<cut>")
+    return lines
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_signals_at_random_points_of_a_served_batch(tmp_path, seed):
+    """A seeded fuzzer (issue 30): 1-4 concurrent streams of 1-400 tokens, and SIGTERM or
+    SIGINT once a chosen stream has had 0-24 events (so during prefill, decode, or after
+    some streams ended), sometimes a second signal at once. Every round: the exit code of
+    the signal, no traceback, every stream ended with [DONE] (its last token or the
+    shutting-down error) unless a second signal ended the process at once, and the counts
+    saved after one signal."""
+    import random
+    import threading
+
+    rng = random.Random(seed)
+    clients = rng.randint(1, 4)
+    lengths = [rng.choice([1, 8, 40, 400]) for _ in range(clients)]
+    watched, after = rng.randrange(clients), rng.randint(0, 24)
+    sig = rng.choice([signal.SIGINT, signal.SIGTERM])
+    twice = rng.random() < 0.3
+    vault = tiny_vault(tmp_path, seed=5)
+    proc, base = _start_serving(vault.path)
+    seen = [0] * clients
+    readies = [threading.Event() for _ in range(clients)]
+    results: dict[int, list[bytes]] = {}
+
+    def client(i: int) -> None:
+        results[i] = _counting_stream(base, i, lengths[i], seen, readies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    try:
+        for th in threads:
+            th.start()
+        # The trigger is progress, not time: the watched stream's events (or its end).
+        while seen[watched] < min(after, lengths[watched]) and threads[watched].is_alive():
+            readies[watched].wait(timeout=1)
+            readies[watched].clear()
+        proc.send_signal(sig)
+        if twice:
+            proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+        for th in threads:
+            th.join(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.stderr is not None
+    rest = proc.stderr.read()
+    case = f"seed {seed}: {clients} streams {lengths}, {sig.name} after {after} events"
+    case += f" of stream {watched}{' twice' if twice else ''}"
+    assert "Traceback" not in rest, f"{case}\n{rest[-2000:]}"
+    assert rc in ((130 if sig == signal.SIGINT else 0),) + ((1, 2, 130) if twice else ()), (
+        f"{case}: exit {rc}\n{rest[-2000:]}"
+    )
+    assert len(results) == clients, case
+    for i, lines in results.items():
+        events = [x for x in lines if x.startswith(b"data: ")]
+        if twice and lines[-1] == b"<cut>":
+            continue  # the second signal ended the process at once
+        assert events and events[-1] == b"data: [DONE]\n", f"{case}: stream {i}: {lines[-3:]}"
+        finished = b'"finish_reason": "length"' in b"".join(events)
+        assert finished or b"shutting down" in events[-2], f"{case}: stream {i}: {events[-2:]}"
+    if not twice:
+        assert (vault.path / "stats" / "popularity.npz").is_file(), case

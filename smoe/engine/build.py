@@ -306,5 +306,6 @@ def _give_way(scheduler: ExpertScheduler) -> None:
 
 
 def _load_tokenizer(vault: Any) -> Any:
+    vault.verify_side_files()  # the files mlx-lm reads next, against their checksums
     eos = vault.config().get("eos_token_id")
     return load_tokenizer(vault.path, [eos] if isinstance(eos, int) else eos)

@@ -375,6 +375,8 @@ def _manifest(
             "bytes": ck.source_bytes,
             "files": [p.name for p in ck.files],
             "copied": copied,
+            # Checked whenever the tokenizer loads (Vault.verify_side_files).
+            "checksums": {name: file_checksum(tmp / name) for name in copied},
         },
         backbone=backbone,
         config={"file": CONFIG_FILE, "checksum": file_checksum(tmp / CONFIG_FILE)},

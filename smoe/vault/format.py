@@ -32,6 +32,9 @@ from smoe.vault.packing import Packing, quant_entry
 BACKBONE_MEMO = "backbone-verified.json"  # in stats/: the file state last hashed and found good
 MAX_MANIFEST_BYTES = 64 << 20  # a million records' checksums take ~20 MB
 MAX_CONFIG_BYTES = 16 << 20
+# The tokenizer and template files a vault copies from its source are read whole when
+# checked; real ones are at most tens of MB (a tokenizer.json with a large vocabulary).
+MAX_SIDE_FILE_BYTES = 512 << 20
 
 
 def file_checksum(path: Path | str, algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
@@ -310,6 +313,28 @@ class Vault:
             except OSError:
                 pass  # a read-only vault is hashed on every open
         return True
+
+    def verify_side_files(self) -> list[str]:
+        """Check the files copied from the source (tokenizer, templates) against the
+        checksums the manifest records for them (vaults made since it does); return the
+        names checked. Raises VaultError naming the file and the fix when one is missing,
+        unreadable, too large or changed. Cheap: they are small."""
+        sums = self.manifest.source.get("checksums", {})
+        for name, entry in sums.items():
+            path = self.path / name
+            if not path.exists():
+                raise VaultError(
+                    f"{path} is missing from the vault (its tokenizer or template files); "
+                    f"put it back from the source, or {CONVERT_AGAIN}"
+                )
+            data = read_limited(path, MAX_SIDE_FILE_BYTES)
+            if digest(entry["algorithm"], data) != entry["value"]:
+                raise VaultError(
+                    f"{path} does not match its checksum in the manifest: it was changed "
+                    f"or damaged after conversion; put it back from the source, or "
+                    f"{CONVERT_AGAIN}"
+                )
+        return list(sums)
 
     def backbone_remembered(self) -> bool:
         """Whether backbone.safetensors last hashed good and its size, times and inode are

@@ -175,6 +175,18 @@ def verify_files(vault: Vault) -> list[FileCheck]:
         checks.append(
             FileCheck(CONFIG_FILE, "ok", "matches its checksum") if has else _unchecked(CONFIG_FILE)
         )
+    copied = vault.manifest.source.get("copied", [])
+    sums = vault.manifest.source.get("checksums")
+    for name in copied if isinstance(copied, list) else []:
+        if sums is None:
+            checks.append(_unchecked(str(name)))
+    if sums:
+        try:
+            names = vault.verify_side_files()
+        except VaultError as e:
+            checks.append(FileCheck("tokenizer and template files", "bad", str(e)))
+        else:
+            checks += [FileCheck(n, "ok", "matches its checksum") for n in names]
     return checks
 
 

@@ -221,7 +221,7 @@ class Manifest:
             checksums=checksums,
             checksum_algorithm=algorithm,
             quantization=quantization,
-            source=c.obj(c.key(d, "source", ""), "source"),
+            source=_source_entry(c, c.key(d, "source", "")),
             backbone=backbone,
             created=c.str_(c.key(d, "created", ""), "created", max_len=256),
             producer=c.str_(c.key(d, "producer", ""), "producer", max_len=256),
@@ -380,6 +380,23 @@ def _checksums(c: Check, value: Any, count: int) -> tuple[str, list[int]]:
         if type(v) is not int or not 0 <= v <= top:
             c.int_(v, f"checksums.values[{i}]", 0, top)
     return algorithm, values
+
+
+def _source_entry(c: Check, value: Any) -> dict[str, Any]:
+    """The "source" entry; its "checksums" (vaults made since they were recorded) map each
+    copied side file (tokenizer, templates) to {"algorithm", "value"}."""
+    e = c.obj(value, "source")
+    if "checksums" in e:
+        sums = c.obj(e["checksums"], "source.checksums")
+        copied = e.get("copied")
+        for name, ch in sums.items():
+            where = f"source.checksums[{name!r}]"
+            if not isinstance(copied, list) or name not in copied or "/" in name:
+                c.fail(where, "names a file the vault did not copy")
+            c.obj(ch, where)
+            _, top = _checksum_range(c, c.key(ch, "algorithm", where), f"{where}.algorithm")
+            c.int_(c.key(ch, "value", where), f"{where}.value", 0, top)
+    return e
 
 
 def _file_entry(c: Check, value: Any, name: str, file: str) -> dict[str, Any]:

@@ -119,6 +119,11 @@ class Source(Vault):
         open). Returns False, as for a vault without a backbone checksum."""
         return False
 
+    def verify_side_files(self) -> list[str]:
+        """Nothing to check: a download has no checksums (the tokenizer's files are
+        validated as they load). Returns no names."""
+        return []
+
     def backbone_remembered(self) -> bool:
         """As Vault's: a download has no checksum to remember."""
         return False
