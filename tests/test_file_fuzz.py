@@ -5,12 +5,12 @@ bytes of its size, a directory in its place.
 Each case is a copy of the vault (hard links, but a fresh copy of the file it damages)
 run through the CLI in a worker process (this file run as a script), one JSON line per
 case, so that a crash or a hang fails the test naming the case. A vault case runs `smoe
-generate --json`; a shard case runs `smoe inspect --verify` (a shard runs only under
-mlx.launch with its other ranks). A case passes when it exits 0 with the undamaged
-vault's tokens, or exits 2 with our one-line error; a traceback, another exit code, a hang
-or other tokens fail it.
+generate --json`, and again `smoe export`; a shard case runs `smoe inspect --verify` (a
+shard runs only under mlx.launch with its other ranks). A case passes when it exits 0 with
+the undamaged vault's tokens (an export: its files byte for byte), or exits 2 with our
+one-line error; a traceback, another exit code, a hang or other output fail it.
 
-    python tests/test_file_fuzz.py VAULT WORKDIR [shard]   # the worker
+    python tests/test_file_fuzz.py VAULT WORKDIR [generate|export|shard]   # the worker
 """
 
 from __future__ import annotations
@@ -134,7 +134,24 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
     return int(code or 0), out.getvalue(), err.getvalue()
 
 
-def _run(folder: Path, shard: bool) -> tuple[int, Any, str]:
+def _exported(out: Path) -> dict[str, str]:
+    """An export's files and their digests (what mlx-lm would load)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _run(folder: Path, mode: str) -> tuple[int, Any, str]:
+    shard = mode == "shard"
+    if mode == "export":
+        out = folder.parent / "exported"
+        shutil.rmtree(out, ignore_errors=True)
+        code, _, err = _cli(["export", str(folder), str(out)])
+        return code, _exported(out) if code == 0 else None, err
     if shard:  # exit 1: a file or record reported BAD (on stdout)
         code, out, err = _cli(["inspect", str(folder), "--verify"])
         bad = [line for line in out.splitlines() if line.startswith("BAD")]
@@ -150,12 +167,13 @@ def _run(folder: Path, shard: bool) -> tuple[int, Any, str]:
     return code, tokens, err
 
 
-def _worker(folder: Path, work: Path, shard: bool) -> None:
+def _worker(folder: Path, work: Path, mode: str) -> None:
+    shard = mode == "shard"
     import logging
 
     logging.disable(logging.WARNING)  # a warning line is allowed; the error line is judged
     work.mkdir(parents=True, exist_ok=True)
-    code, baseline, err = _run(folder, shard)
+    code, baseline, err = _run(folder, mode)
     assert code == 0, f"the undamaged {'shard' if shard else 'vault'} fails: {err}"
     rng = random.Random(SEED)
     for i, (name, damage) in enumerate(cases(folder)):
@@ -165,7 +183,7 @@ def _worker(folder: Path, work: Path, shard: bool) -> None:
         faulthandler.dump_traceback_later(HANG_S, exit=True)
         start = time.perf_counter()
         try:
-            code, got, err = _run(case, shard)
+            code, got, err = _run(case, mode)
         except BaseException as e:  # anything the CLI lets out is a traceback
             code, got, err = -1, None, f"{type(e).__name__}: {e}"
         faulthandler.cancel_dump_traceback_later()
@@ -196,7 +214,7 @@ def _worker(folder: Path, work: Path, shard: bool) -> None:
 def main() -> None:
     sys.path.insert(0, str(REPO))
     faulthandler.enable()
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]), "shard" in sys.argv[3:])
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]), (sys.argv[3:] or ["generate"])[0])
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -263,6 +281,16 @@ def test_every_file_of_a_vault_damaged(vault, tmp_path):
     assert {"tokenizer.json", "stats/popularity.npz"} <= set(files), files
     outcomes = _judge(results, files)
     assert outcomes["refused"] >= len(files) * 3, outcomes
+
+
+def test_every_file_of_a_vault_damaged_then_exported(vault, tmp_path):
+    """`smoe export` of each damaged vault: refused in one line with nothing written, or
+    the undamaged vault's export byte for byte (mlx-lm then loads what the vault holds)."""
+    mine = shutil.copytree(vault, tmp_path / "v")
+    results = run_fuzzer(mine, tmp_path / "work", "export")
+    files = files_of(mine)
+    outcomes = _judge(results, files)
+    assert outcomes["refused"] >= len(files) * 2, outcomes
 
 
 def test_every_file_of_a_shard_damaged(vault, tmp_path):

@@ -17,7 +17,6 @@ from smoe.errors import SmoeError, VaultError
 from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
 from smoe.vault.format import Vault
 from smoe.vault.integrity import hasher
-from smoe.vault.names import MANIFEST, STATS_DIR
 from smoe.vault.tensorfile import write_safetensors
 
 
@@ -51,7 +50,8 @@ def read_layer(vault: Vault, layer: int, verify: bool = False) -> dict[str, mx.a
 
 def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
     """Write an mlx-lm model folder (config, tokenizer, one model.safetensors) for ``vault``,
-    from bytes checked against the manifest (the backbone hashed, each record's checksum),
+    from bytes checked against the manifest (the backbone hashed, each record's checksum,
+    the tokenizer and template files where the vault records theirs),
     every file fsynced before the folder takes its name. VaultError names what is damaged;
     nothing is left at ``out`` then (a folder already there stays as it was)."""
     out = Path(out)
@@ -62,22 +62,23 @@ def export_mlx(vault: Vault, out: Path | str, force: bool = False) -> Path:
     tmp.mkdir(parents=True)
     try:
         vault.verify_backbone(force=True)  # (what mlx-lm will run: hashed now)
+        vault.verify_side_files()  # the tokenizer and templates it will read, too
         tensors = dict(mx.load(str(vault.backbone_path)))
         for spec in vault.manifest.layers:
             for name, a in read_layer(vault, spec.layer, verify=True).items():
                 tensors[f"{spec.module}.{name}"] = a
         write_safetensors(tmp / "model.safetensors", tensors, {"format": "mlx"})
         write_json_atomic(tmp / "config.json", vault.config())
-        for p in vault.path.iterdir():
-            if (
-                p.is_file()
-                and p.name not in {MANIFEST, "config.json"}
-                and p.suffix != ".bin"
-                and p.name != vault.backbone_path.name
-                and p.name != STATS_DIR
-            ):
-                shutil.copyfile(p, tmp / p.name)
-                fsync_path(tmp / p.name)
+        # The files the manifest vouches for (copied from the source at convert), no others.
+        for name in vault.manifest.source.get("copied", []):
+            p = vault.path / str(name)
+            if not p.is_file():
+                raise VaultError(
+                    f"{p} is missing from the vault (its tokenizer or template files); "
+                    f"put it back from the source, or convert the model again"
+                )
+            shutil.copyfile(p, tmp / p.name)
+            fsync_path(tmp / p.name)
         replace_dir(tmp, out)
     except BaseException:
         remove_tree(tmp)
