@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.bench.forecast import forecast, routing_probabilities
 from smoe.bench.generate import random_prompt
-from smoe.bench.planner import PlanOptions, make_plan, open_subject
-from smoe.bench.probe import probe_compute
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
+from smoe.forecast.planner import PlanOptions, make_plan, open_subject
+from smoe.forecast.probe import probe_compute
+from smoe.forecast.speed import forecast, routing_probabilities
 from smoe.vault.format import Vault
 
 

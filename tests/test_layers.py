@@ -20,7 +20,7 @@ LAYERS = [
     {"compute"},
     {"plan"},
     {"engine"},
-    {"chat", "serve"},
+    {"chat", "serve", "forecast"},
     {"bench"},
     {"commands"},
     {"cli"},

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from smoe.bench.forecast import (
+from smoe.engine import Engine
+from smoe.forecast.speed import (
     Shape,
     chunk_union,
     forecast,
@@ -18,7 +19,6 @@ from smoe.bench.forecast import (
     routing_probabilities,
     serial_read_s,
 )
-from smoe.engine import Engine
 from smoe.io.disk_probe import probe_disk
 from smoe.plan.ring import budget_parts, current_device, ring_kind, slot_bytes
 from smoe.util.loop import run
@@ -175,8 +175,8 @@ def test_plan_and_the_run_make_one_ring_on_a_vault_and_a_download(
 def test_the_engine_and_smoe_plan_make_one_planning_call(vault, monkeypatch):
     """Where the ring is sized is one function (issue 29): Engine.open and `smoe plan`
     both call smoe.plan.plan.plan, with the same options, and get the same Plan."""
-    import smoe.bench.planner as planner
     import smoe.engine.core as core
+    import smoe.forecast.planner as planner
     import smoe.plan.plan as plan_module
 
     made = []

@@ -19,9 +19,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from smoe.bench.generate import budget_slots, random_prompt
-from smoe.bench.resident import fill_ring
+from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
+from smoe.forecast.workload import fill_ring, random_prompt
 from smoe.io.disk_probe import baseline_run, drop_file_cache
 from smoe.vault.format import Vault
 

@@ -8,20 +8,13 @@ decode tok/s, hit rate, bytes per decoded token, share of decode time waiting fo
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from smoe.engine import Engine
 from smoe.errors import SmoeError
+from smoe.forecast.workload import random_prompt
 from smoe.util.sizes import parse_size
 from smoe.vault.format import Vault
-
-
-def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
-    """``tokens`` random ids of the vault's vocabulary (above the first 10: no specials)."""
-    rng = random.Random(seed)
-    vocab = vault.manifest.shape.vocab_size
-    return [rng.randrange(10, vocab) for _ in range(tokens)]
 
 
 def ring_options(vault: Vault | str, ring: str | None) -> dict[str, Any]:

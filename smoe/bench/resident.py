@@ -13,16 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from smoe.bench.generate import random_prompt
 from smoe.engine import Engine
+from smoe.forecast.workload import fill_ring, random_prompt
 from smoe.vault.format import Vault
-
-
-async def fill_ring(engine: Engine) -> None:
-    """Read every expert into the engine's ring (which must hold them all), untimed."""
-    m = engine.vault.manifest
-    for spec in m.layers:
-        engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(m.num_experts)))
 
 
 def _better(best: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:

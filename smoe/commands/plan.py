@@ -1,5 +1,5 @@
 """`smoe plan SRC_OR_VAULT [--memory X]`: whether a model fits a memory budget and how fast
-it will run there, before loading it (smoe.bench.planner; docs/plan.md)."""
+it will run there, before loading it (smoe.forecast.planner; docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from smoe.plan.budget import KV_BITS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from smoe.bench.planner import PlanOptions, make_plan
+    from smoe.forecast.planner import PlanOptions, make_plan
     from smoe.util.loop import run
 
     options = PlanOptions(

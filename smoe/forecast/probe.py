@@ -50,9 +50,8 @@ async def probe_compute(
     ``slots`` (module docstring), recorded in the vault. A ring of every expert is filled
     first: its figures are the resident rate (device tables, no host round trip). Opens
     an engine (SmoeError as Engine.open)."""
-    from smoe.bench.generate import random_prompt
-    from smoe.bench.resident import fill_ring
     from smoe.engine import Engine
+    from smoe.forecast.workload import fill_ring, random_prompt
 
     m = vault.manifest
     slots = max(m.shape.experts_per_token, min(slots, m.num_records))

@@ -1,6 +1,6 @@
 """`smoe plan`'s speed model: hit rates from routing curves, then decode and prefill
 tok/s bands and the cold-fill time from the disk and compute probes (smoe.io.disk_probe,
-smoe.bench.probe).
+smoe.forecast.probe).
 Pure arithmetic (numpy); every formula is in docs/plan.md.
 
 Notation: L MoE layers of E experts, top-k per token, B bytes per record read, S ring

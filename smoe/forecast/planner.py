@@ -2,8 +2,8 @@
 it will run there (docs/plan.md).
 
 The fit is the engine's own arithmetic (smoe.plan.plan, the engine's own call), from
-config.json and safetensors headers; the speed is smoe.bench.forecast's model over a disk
-probe (smoe.io.disk_probe) and a compute probe (smoe.bench.probe) and the routing curves at hand (the vault's
+config.json and safetensors headers; the speed is smoe.forecast.speed's model over a disk
+probe (smoe.io.disk_probe) and a compute probe (smoe.forecast.probe) and the routing curves at hand (the vault's
 popularity counts, else published locality).
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from smoe.bench.forecast import Shape, forecast, routing_probabilities
-from smoe.bench.probe import probe_compute, recorded_compute
 from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.forecast.probe import probe_compute, recorded_compute
+from smoe.forecast.speed import Shape, forecast, routing_probabilities
 from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
 from smoe.plan.budget import (
     KV_STEP,
