@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-MAY_SKIP = {"tests.test_gpu"}  # needs a CUDA GPU (pytest -m gpu on the device machine)
+MAY_SKIP = {"tests.gpu.test_gpu"}  # needs a CUDA GPU (pytest -m gpu on the device machine)
 
 report, tests_dir = Path(sys.argv[1]), Path(sys.argv[2])
 if not report.is_file():
@@ -17,10 +17,12 @@ if not report.is_file():
 outcomes: dict[str, Counter[str]] = {}
 problems = []
 for case in ET.parse(report).getroot().iter("testcase"):
-    # classname "tests.test_x" (or "tests.test_x.Class"); a collection error has none and
-    # names its module in "name" instead.
+    # classname "tests.unit.test_x" (or "tests.unit.test_x.Class"); a collection error has
+    # none and names its module in "name" instead.
     where = case.get("classname") or case.get("name", "?")
-    module = ".".join(where.split(".")[:2])
+    parts = where.split(".")
+    last = next((i for i, part in enumerate(parts) if part.startswith("test_")), 1)
+    module = ".".join(parts[: last + 1])
     kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
     outcomes.setdefault(module, Counter())[kind] += 1
     test = f"{where}::{case.get('name')}"
@@ -30,7 +32,10 @@ for case in ET.parse(report).getroot().iter("testcase"):
         reason = next(c for c in case if c.tag == "skipped").get("message", "")
         problems.append(f"skipped: {test}: {reason}")
 
-files = sorted(f"tests.{p.stem}" for p in tests_dir.glob("test_*.py"))
+files = sorted(
+    ".".join(("tests", *p.relative_to(tests_dir).with_suffix("").parts))
+    for p in tests_dir.rglob("test_*.py")
+)
 for module in files:
     ran = outcomes.get(module, Counter())
     if not ran:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from smoe.engine import Engine  # noqa: E402
 from smoe.util.loop import run  # noqa: E402
-from tests.test_engine_exact import engine_decode, engine_generate  # noqa: E402
+from tests.exact.test_engine_exact import engine_decode, engine_generate  # noqa: E402
 
 
 async def one_process(vault: str, slots: int, device: str | None, prompt: list[int], steps: int):

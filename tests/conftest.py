@@ -171,6 +171,26 @@ def edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(data))
 
 
+def rewrite_side_file(vault_dir: Path, name: str, data: bytes | None) -> None:
+    """Replace (``data`` None: remove) a file the vault copied from its source (a tokenizer
+    or template file) and record it in the manifest, signed again: what a conversion from
+    a source holding ``data`` would have written (for tests of what such a file does)."""
+    from smoe.vault.format import file_checksum
+    from smoe.vault.manifest import SIGNATURE, sign_manifest
+
+    manifest = json.loads((vault_dir / "manifest.json").read_text())
+    manifest.pop(SIGNATURE, None)
+    source, path = manifest["source"], vault_dir / name
+    if data is None:
+        path.unlink(missing_ok=True)
+        source["copied"] = [n for n in source.get("copied", []) if n != name]
+        source.get("checksums", {}).pop(name, None)
+    else:
+        path.write_bytes(data)
+        source.setdefault("checksums", {})[name] = file_checksum(path)
+    (vault_dir / "manifest.json").write_text(json.dumps(sign_manifest(manifest)))
+
+
 @pytest.fixture
 def run_cli(capsys):
     """Run `smoe ...` in-process; return (exit code, stdout, stderr)."""

@@ -1,4 +1,4 @@
-"""One rank of the expert-parallel tests (tests/test_distributed.py), started once per rank.
+"""One rank of the expert-parallel tests (tests/system/test_distributed.py), started once per rank.
 
     python -m tests.distributed_worker VAULT OUT SLOTS PROMPT_IDS STEPS FORCED_IDS [whole]
 
@@ -19,7 +19,7 @@ import numpy as np
 from smoe.compute.streaming import StreamingExperts
 from smoe.engine import Engine
 from smoe.util.loop import run
-from tests.test_engine_exact import engine_decode, engine_generate
+from tests.exact.test_engine_exact import engine_decode, engine_generate
 
 
 async def main(

@@ -13,7 +13,7 @@
 #   cost      resident decode with the kernel rules against without (bench/solo_rows_cost.py)
 #   timeline  a batched step's host build, evaluation and read-back at 1-8 rows, rules on
 #             and off (bench/batch_build_cost.py), for the q235 vault and the trained demo
-#   tests     the exactness tests (tests/test_gpu.py; SMOE_GPU_ARCHS / SMOE_GPU_BITS pick)
+#   tests     the exactness tests (tests/gpu/test_gpu.py; SMOE_GPU_ARCHS / SMOE_GPU_BITS pick)
 # JSON goes to $OUT, the log to $OUT/one_row.log, the tests' comparisons to
 # $OUT/gpu-tests.jsonl. The tests need pytest>=8.4 and pytest-asyncio>=1.4, newer than the
 # GPU image's: carry their wheels (`pip download --no-deps -d .whl/t pytest-asyncio==1.5.0
@@ -66,7 +66,7 @@ for step in $STEPS; do
     python3 bench/batch_build_cost.py "$(demo)" --device gpu > "$OUT/batch_build_cost_demo.json" ;;
   tests)
     SMOE_GPU_REPORT=$OUT/gpu-tests.jsonl python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 ;;
+      tests/gpu/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 ;;
   esac
 done
 echo "== done $(date +%T)"

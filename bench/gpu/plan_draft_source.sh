@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the plan, drafts, KV-bits and run-from-download figures. STEPS picks what runs (default all), in order:
 #   build   the 16-layer Qwen3-235B-geometry 4-bit vault (bench/gpu/q235_vault.sh build)
-#   test    --kv-bits on CUDA: refused, as mlx-lm cannot run it there (tests/test_gpu.py)
+#   test    --kv-bits on CUDA: refused, as mlx-lm cannot run it there (tests/gpu/test_gpu.py)
 #   plan    smoe plan's forecast against measured (bench/plan_check.py) at 3 budgets
 #           (PLAN_BUDGETS overrides them)
 #   draft   --draft ngram / oracle / wrong against plain decode (bench/draft.py)
@@ -26,7 +26,7 @@ for step in $STEPS; do
   build)
     STEPS=build OUT=$OUT DATA=$DATA bash bench/gpu/q235_vault.sh ;;
   test)
-    SMOE_GPU_VAULT=$V python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    SMOE_GPU_VAULT=$V python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
       -k "kv_bits" 2>&1 | tail -5 ;;
   plan)
     smoe plan "$V" --device gpu --no-compute --json > "$OUT/plan_q235.json"

@@ -9,7 +9,7 @@ cache update, and scaled dot-product attention against the row's keys (the call 
 row makes alone). The projections and norms around them stay batched, one call for all
 rows (on a GPU shaped by ``solo_rows``), so a row adds five small kernels per layer, not
 the whole module. No padding, no merged cache, and a row's arithmetic is the solo
-arithmetic wherever the kernels compute rows independently (tests/test_batching.py
+arithmetic wherever the kernels compute rows independently (tests/exact/test_batching.py
 checks this bit for bit).
 
 The model is handed, per layer, a ``RowCaches`` (the B sequences' caches of that layer)

@@ -309,6 +309,9 @@ class Batcher:
             except Exception as e:
                 ticket._finish(Failed(e))
                 continue
+            except BaseException:  # close() cancelled us: it ends the ticket with the rest
+                self.waiting.appendleft(ticket)
+                raise
             ticket.prompt_run = ticket.seq.to_prefill()
             self._update(ticket)
             self.active.append(ticket)

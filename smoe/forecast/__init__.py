@@ -7,5 +7,5 @@
   probes and the speed model, as one JSON-able report.
 
 Below the CLI and beside the engine: it imports smoe.plan, smoe.io and smoe.vault, never
-smoe.engine (tests/test_layers.py).
+smoe.engine (tests/unit/test_layers.py).
 """

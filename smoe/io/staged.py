@@ -22,7 +22,7 @@ ring never converts or copies it. A read goes:
 - In place, really: an update donates the array's buffer when nothing else references it.
   The ring holds the only Python reference (shared with the expert modules, whose
   parameters are these same objects), and every computation is evaluated before the next
-  commit, so nothing does (tests/test_staged.py checks MLX's memory counters).
+  commit, so nothing does (tests/unit/test_staged.py checks MLX's memory counters).
 - Banks: on a GPU MLX's kernels wrap their offsets past 2^31 bytes of an array, so the
   slots are split into banks whose arrays stay below that (whole MoE layers per bank where
   they fit); ``locate`` maps a slot id to (bank, slot in bank). A budget is never capped.

@@ -7,7 +7,7 @@ views ``[S, *shape]`` over the ring's memory. Nothing is copied or converted, so
 records' float components must already be in the compute dtype (smoe.io.ring.needs_conversion
 says when they are not; the staged ring then converts each record once, when it lands).
 
-What MLX 0.32.4 does with such memory (tested in tests/test_io.py):
+What MLX 0.32.4 does with such memory (tested in tests/unit/test_io.py):
 - Views read the bytes as they are when an op that uses them is *evaluated*, not when the
   op is built: a lazy op built before a write and evaluated after it sees the new bytes, and
   a result evaluated before a write keeps the old values. So a slot must not be rewritten

@@ -3,7 +3,7 @@
 mlx-lm's one-file-per-architecture model code does the math; what S-MoE adds per
 architecture is small and lives here, each entry saying why:
 - ``batched_decode``: decoding several sequences in one pass is tested against solo decode
-  for it (tests/test_batching.py); others decode a batch one sequence after another;
+  for it (tests/exact/test_batching.py); others decode a batch one sequence after another;
 - ``batched_attention``: its attention module follows mlx-lm's common pattern (RoPE at
   ``cache.offset``, ``update_and_fetch``, the module's attention function), so a batch runs
   it once with only those parts per row (smoe.compute.rowwise); others (DeepSeek-V3's

@@ -6,7 +6,7 @@ formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's it
 (4: float32 on the CPU, 2: bfloat16 on a GPU).
 
 - backbone: each float tensor cast to the compute dtype (``build_model`` does), packed
-  ones as stored; equal to the loaded arrays' nbytes (tests/test_budget.py).
+  ones as stored; equal to the loaded arrays' nbytes (tests/unit/test_budget.py).
 - KV: mlx-lm's caches for ``sequences`` sequences at ``context`` tokens: per attention
   layer K and V of [kv_heads, capacity, head_dim] (DeepSeek's MLA: what its mlx-lm file
   caches, ``kv_elements``), capacity the context rounded up to the cache's 256-token step;

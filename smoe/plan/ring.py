@@ -74,7 +74,7 @@ def choose_device(name: str | None) -> Any:
 def check_kv_bits(kv_bits: int | None, device: Device) -> None:
     """--kv-bits needs mlx-lm's quantized attention: MLX 0.32's CUDA backend has no
     quantized matmul for a prompt chunk over a quantized cache (measured: mlx-lm's own
-    generate_step fails there too; tests/test_gpu.py), so a CUDA GPU refuses it up front."""
+    generate_step fails there too; tests/gpu/test_gpu.py), so a CUDA GPU refuses it up front."""
     if kv_bits is not None and device.discrete:
         raise SmoeError(
             "--kv-bits does not run on a CUDA GPU: MLX's CUDA backend has no kernel for "
@@ -86,7 +86,7 @@ def check_kv_bits(kv_bits: int | None, device: Device) -> None:
 def kernel_rules(device: Device, forced: bool | None) -> Any:
     """How the device's kernels treat a call's rows (smoe.compute.solo_rows.KernelRules),
     or None where a row's bits never depend on the rows sharing its call (MLX's CPU
-    kernels: tests/test_batching.py). ``forced``: True applies CUDA's measured rules
+    kernels: tests/exact/test_batching.py). ``forced``: True applies CUDA's measured rules
     anywhere (the CPU tests run the path this way), False none (the cost of the path is
     measured against it); None: CUDA's on a CUDA GPU, solo call shapes on another GPU
     (Metal: not measured), none on the CPU."""
@@ -117,7 +117,7 @@ CPU_BATCH = 8  # generations decoded together unless told otherwise
 def batch_size(max_batch: int | None, device: Device) -> int:
     """Generations decoded together: ``max_batch``, else 8 on every device. A batched
     pass is exact where each row gets the single-row arithmetic: MLX's CPU kernels
-    (tests/test_batching.py), and on a GPU the kernel rules (smoe.compute.solo_rows)."""
+    (tests/exact/test_batching.py), and on a GPU the kernel rules (smoe.compute.solo_rows)."""
     return CPU_BATCH if max_batch is None else max_batch
 
 

@@ -3,7 +3,7 @@
 Runs on one asyncio event loop; all state changes happen in plain (non-awaiting) code, so
 no lock is needed. The slot table (keys, slot states, queued loads, pins) and its
 invariants are ``smoe.sched.slots``; this module makes requests wait for room or for
-their reads and hands reads to the backend. Rules it keeps (tests/test_sched*.py check
+their reads and hands reads to the backend. Rules it keeps (tests/unit/test_sched.py check
 each):
 
 - A pinned slot is never evicted, reassigned, or handed to a read for another record.

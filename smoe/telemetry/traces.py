@@ -22,7 +22,7 @@ context; reuse within 8 tokens mostly from the context; the current top-2k's cov
 next top-k is the overlap plus what ranks k..2k-1 predict, which ``promote`` raises and
 ``deep_noise`` lowers. ``calibrate`` fits (keep, promote/deep_noise, drift) to three targets
 from shared/research/peers.md by measuring generated traces with smoe.telemetry.locality;
-tests/test_traces.py checks the presets against them.
+tests/unit/test_traces.py checks the presets against them.
 """
 
 from __future__ import annotations

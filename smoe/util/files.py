@@ -42,7 +42,7 @@ _TEMP_RE = re.compile(
     r"(?P<ext>\.[A-Za-z0-9]+)?$"
 )
 
-# Test hook (tests/test_crash_safety.py): SMOE_TEST_KILL_AT=POINT or POINT:NAME makes the
+# Test hook (tests/system/test_crash_safety.py): SMOE_TEST_KILL_AT=POINT or POINT:NAME makes the
 # process SIGKILL itself when it reaches kill_point(POINT, NAME). Unset in normal use.
 KILL_ENV = "SMOE_TEST_KILL_AT"
 

@@ -20,7 +20,7 @@ from smoe.vault.convert import ConvertOptions, convert
 from tests.cgroup import limited
 from tests.conftest import make_hf_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 1024
 PROMPT = np.random.default_rng(5).integers(2, 256, 1000).tolist()
 PEAK_RSS = (  # run the CLI, then print this process's own peak resident set (VmHWM)

@@ -29,7 +29,7 @@ from smoe.compute.solo_rows import CUDA, RowPieces, RowPiecesEmbedding, expert_c
 from smoe.engine import Engine
 from smoe.vault.convert import ConvertOptions, convert
 from tests.conftest import make_hf_checkpoint
-from tests.test_batching import batched_decode, prompts, solo_decode
+from tests.exact.test_batching import batched_decode, prompts, solo_decode
 
 VECTOR_BELOW = CUDA.vector_below  # 8: quantized calls below it run the per-row vector kernel
 # CUDA's rules as the engine opens them on the CPU: the probe finds MLX's batched gemv

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SMOE = Path(__file__).resolve().parents[1] / "smoe"
+SMOE = Path(__file__).resolve().parents[2] / "smoe"
 
 # Lowest first. Same-rank packages do not import each other either, unless listed.
 LAYERS = [

@@ -194,6 +194,21 @@ async def test_close_fails_what_is_left():
         batcher.submit(ticket("b", 0, 1))
 
 
+async def test_close_while_a_ticket_is_being_prepared_fails_it_too():
+    """A ticket taken from the queue whose prepare is on the compute thread when the server
+    stops was in neither list: close() never ended it, and its stream hung until the
+    server's shutdown timeout cut it with no end event (found by the signal fuzzer)."""
+    batcher, runner, compute, _ = make()
+    compute.gated = True
+    a = batcher.submit(ticket("a", 0, 5))
+    await compute.started.get()  # a's prepare is running; nothing releases it
+    await batcher.close(SmoeError("shutting down"))
+    async with asyncio.timeout(30):  # (a guard: before the fix this waited forever)
+        kind, err = (await drain(a))[-1]
+    assert kind == "error" and "shutting down" in str(err)
+    assert not batcher.waiting and not batcher.active
+
+
 async def test_shared_step_bytes_are_split_among_rows():
     counter = {"bytes": 0}
 

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from smoe.chat.demo import demo_vault
+from tests.conftest import rewrite_side_file
 
 QUESTION = "Who was Moses?"
 
@@ -105,8 +106,8 @@ def test_a_chat_template_that_raises_is_one_line(run_cli, vault, tmp_path):
     shutil.copytree(vault, broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ raise_exception('no such role') }}"
-    (broken / "tokenizer_config.json").write_text(json.dumps(config))
-    (broken / "chat_template.jinja").unlink(missing_ok=True)
+    rewrite_side_file(broken, "tokenizer_config.json", json.dumps(config).encode())
+    rewrite_side_file(broken, "chat_template.jinja", None)
     code, out, err = run_cli("generate", broken, "--prompt", QUESTION)
     assert code != 0 and "Traceback" not in err
     assert "chat template" in err and "no such role" in err
@@ -133,8 +134,8 @@ def test_a_chat_template_that_fails_on_a_follow_up_is_one_error_and_the_chat_goe
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    (broken / "tokenizer_config.json").write_text(json.dumps(config))
-    (broken / "chat_template.jinja").unlink(missing_ok=True)
+    rewrite_side_file(broken, "tokenizer_config.json", json.dumps(config).encode())
+    rewrite_side_file(broken, "chat_template.jinja", None)
 
     async def chat():
         async with Engine.open(broken) as engine:

@@ -27,7 +27,7 @@ from smoe.util.files import parse_temp, recover_dir, replace_dir, sweep_stale
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.format import Vault
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_child(code: str, kill_at: str | None, *args: object) -> subprocess.CompletedProcess[str]:

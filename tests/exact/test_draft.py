@@ -25,7 +25,7 @@ from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.plan.options import EngineOptions
 from tests.conftest import tiny_vault
-from tests.test_build_ahead import model  # noqa: F401  (the module's in-memory model)
+from tests.exact.test_build_ahead import model  # noqa: F401  (the module's in-memory model)
 
 LOOP = [5, 9, 31, 7, 64, 2, 17, 88, 40, 3] * 3  # a prompt to look up in
 
@@ -256,7 +256,7 @@ def kjv_prompt(demo_path) -> list[int]:
 
     from mlx_lm.utils import load_tokenizer
 
-    text = (Path(__file__).parent / "data" / "kjv_held_out.txt").read_text(encoding="utf-8")
+    text = (Path(__file__).parents[1] / "data" / "kjv_held_out.txt").read_text(encoding="utf-8")
     passage = text[:400].rsplit(" ", 1)[0]
     opening = " ".join(passage.split()[:8])
     return list(load_tokenizer(demo_path).encode(f"{passage} {passage} {opening}"))
@@ -406,7 +406,7 @@ async def test_the_batcher_drafts_for_a_lone_request_and_steps_a_batch_plainly()
     import asyncio
 
     from smoe.engine.batcher import Batcher, Meter
-    from tests.test_batcher import FakeRunner, GatedCompute, drain, ticket
+    from tests.unit.test_batcher import FakeRunner, GatedCompute, drain, ticket
 
     runner, calls = FakeRunner(), []
 

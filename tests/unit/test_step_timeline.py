@@ -8,7 +8,7 @@ import pytest
 from smoe.compute import timeline as timeline_mod
 from smoe.compute.runner import Runner, SamplingParams
 from smoe.compute.timeline import StepTime, StepTimeline
-from tests.test_build_ahead import PROMPT, make_model
+from tests.exact.test_build_ahead import PROMPT, make_model
 
 
 def test_the_summary_gives_medians_by_rows_and_periods_only_between_like_steps():

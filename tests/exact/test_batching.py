@@ -23,8 +23,8 @@ from smoe.engine import Engine
 from smoe.errors import ExpertReadError
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
+from tests.exact.test_engine_exact import ARCHS, reference_decode, reference_model
 from tests.fakes import FailingReads
-from tests.test_engine_exact import ARCHS, reference_decode, reference_model
 
 pytestmark = pytest.mark.asyncio
 PROMPT_LENGTHS = (5, 30, 70, 3)  # unequal caches; 70 prefills in two chunks

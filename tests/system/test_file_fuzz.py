@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("SMOE_FUZZ_SEED", "30"))
 PROMPT = "1,2,3,4,5"
 HANG_S = 60  # one case taking longer is a hang

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import tiny_vault
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,9 @@ def test_signals_at_random_points_of_a_served_batch(tmp_path, seed):
         events = [x for x in lines if x.startswith(b"data: ")]
         if twice and lines[-1] == b"<cut>":
             continue  # the second signal ended the process at once
-        assert events and events[-1] == b"data: [DONE]\n", f"{case}: stream {i}: {lines[-3:]}"
+        assert events and events[-1] == b"data: [DONE]\n", (
+            f"{case}: stream {i}: {lines[-3:]}\n{rest[-3000:]}"
+        )
         finished = b'"finish_reason": "length"' in b"".join(events)
         assert finished or b"shutting down" in events[-2], f"{case}: stream {i}: {events[-2:]}"
     if not twice:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: object) -> subprocess.CompletedProcess[str]:
@@ -44,17 +44,18 @@ def _tests_dir(tmp_path: Path, *names: str) -> Path:
     folder = tmp_path / "tests"
     folder.mkdir()
     for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("")
     return folder
 
 
 def test_the_junit_check_passes_a_full_run_with_gpu_skips(tmp_path):
-    tests = _tests_dir(tmp_path, "test_a.py", "test_gpu.py")
+    tests = _tests_dir(tmp_path, "test_a.py", "gpu/test_gpu.py")
     report = _report(
         tmp_path,
         '<testcase classname="tests.test_a" name="t1"/>'
         '<testcase classname="tests.test_a.Group" name="t2"/>'
-        '<testcase classname="tests.test_gpu" name="g"><skipped message="needs a CUDA GPU"/>'
+        '<testcase classname="tests.gpu.test_gpu" name="g"><skipped message="needs a CUDA GPU"/>'
         "</testcase>",
     )
     done = _run("junit_check.py", report, tests)

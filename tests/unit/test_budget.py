@@ -22,7 +22,7 @@ from smoe.plan.budget import Attention, backbone_bytes, default_contexts, kv_byt
 from smoe.plan.ring import Device, budget_parts, plan_ring
 from tests.conftest import tiny_vault
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_DEVICE = Device(gpu=False, discrete=False)
 
 

@@ -27,7 +27,7 @@ from smoe.parallel.assignment import ExpertAssignment
 from smoe.parallel.watchdog import Watchdog
 from smoe.vault.convert import ConvertOptions, convert
 from tests.conftest import tiny_vault
-from tests.test_engine_exact import (
+from tests.exact.test_engine_exact import (
     _prompt,
     engine_decode,
     engine_generate,
@@ -36,7 +36,7 @@ from tests.test_engine_exact import (
     reference_model,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
@@ -523,7 +523,7 @@ def test_smoe_chat_across_two_ranks_replies_as_one_process(vault, tmp_path):
     is refused in one line (rank 1 cannot save its own cache), /quit ends both."""
     import pty
 
-    from tests.test_chat_cli import _read_until
+    from tests.system.test_chat_cli import _read_until
 
     def chat(argv: list[str], ranks: int) -> tuple[str, list[tuple[int, str]]]:
         primary, secondary = pty.openpty()

@@ -27,8 +27,8 @@ from smoe.io.shard_reader import ShardReader
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.format import Vault
 from smoe.vault.source import Source, open_model
-from tests.test_convert import mlx_lm_reference
-from tests.test_engine_exact import _prompt, reference_logits
+from tests.exact.test_convert import mlx_lm_reference
+from tests.exact.test_engine_exact import _prompt, reference_logits
 
 _real_preadv = os.preadv
 KINDS = ["qwen3_moe", "mixtral", "mlx-4bit"]
@@ -145,7 +145,7 @@ async def test_a_shard_read_cancelled_while_running_returns_after_its_thread(sou
     slot returns only once the thread is done (its own inline copy of this protocol is
     gone), and a queued one is dropped at once."""
     from smoe.io.reader import RecordReader
-    from tests.test_io import Blocking, loop_turns
+    from tests.unit.test_io import Blocking, loop_turns
 
     folder, _, _ = sources("qwen3_moe")
     source = open_model(folder)

@@ -21,7 +21,7 @@ import pytest
 from smoe.chat.demo import DEMO_SOURCE, demo_vault
 from smoe.engine import Engine
 from smoe.vault.format import Vault
-from tests.test_engine_exact import (
+from tests.exact.test_engine_exact import (
     DECODE_STEPS,
     engine_decode,
     engine_generate,
@@ -30,7 +30,7 @@ from tests.test_engine_exact import (
     reference_model,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 HELD_OUT = (DATA / "kjv_held_out.txt").read_text(encoding="utf-8")
 # Measured (docs/demo-model.md): the demo 1.29 bits per byte on this text (perplexity 32
 # per token), the random-weight demo 45.7. The bar sits far under the random model, with

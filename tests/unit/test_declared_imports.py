@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = {"smoe", "tests", "train", "bench", "examples"}  # the checkout's own top levels
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from smoe.chat.sampling import GREEDY, suggested_sampling
 
-WORDS = set((Path(__file__).parent / "data" / "kjv_words.txt").read_text().split())
+WORDS = set((Path(__file__).parents[1] / "data" / "kjv_words.txt").read_text().split())
 _ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r")
 
 

@@ -207,7 +207,7 @@ async def test_dead_saves_temporaries_are_swept_when_the_vault_opens(shared_vaul
     assert not dead.exists() and live.exists() and other.exists()
 
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 CONCURRENT = """
 import sys
 import numpy as np

@@ -316,7 +316,7 @@ async def test_faults_during_a_batched_server_run_give_the_text_or_a_clean_503(v
     import aiohttp
 
     from smoe.serve.app import ServerOptions
-    from tests.test_serve import Running
+    from tests.system.test_serve import Running
 
     async def complete(http: aiohttp.ClientSession, base: str, prompt: list[int]):
         body = {"model": "smoe", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}

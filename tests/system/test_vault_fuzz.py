@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("SMOE_FUZZ_SEED", "13"))
 SINGLE_CASES = 900  # sampled from the deterministic single mutations (--all: every one)
 COMPOUND_CASES = 200  # 2-4 random single mutations at once

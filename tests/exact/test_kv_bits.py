@@ -22,7 +22,7 @@ from smoe.errors import SmoeError
 from smoe.vault.convert import convert
 from smoe.vault.format import Vault
 from tests.conftest import make_hf_checkpoint
-from tests.test_engine_exact import reference_model
+from tests.exact.test_engine_exact import reference_model
 
 PROMPT = np.random.default_rng(11).integers(2, 256, 150).tolist()  # chunks of 64, 64, 21
 STEPS = 24

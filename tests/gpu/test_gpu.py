@@ -27,7 +27,7 @@ from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
-from tests.test_engine_exact import ShuffledReads, engine_decode, greedy
+from tests.exact.test_engine_exact import ShuffledReads, engine_decode, greedy
 
 CUDA = mx.is_available(mx.gpu) and not mx.metal.is_available()
 # SMOE_GPU_TESTS_ON_CPU=1 runs them on the CPU (bfloat16, staged ring): a dry run of the code.
@@ -282,7 +282,7 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, ring, mode
     import asyncio
 
     from smoe.bench.resident import fill_ring
-    from tests.test_batching import batched_decode, solo_decode
+    from tests.exact.test_batching import batched_decode, solo_decode
 
     if bits == 16 and not CUDA:
         pytest.skip("MLX's CPU gather_mm computes float32 only")

@@ -25,7 +25,7 @@ from smoe.util.loop import run
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.source import open_model
 from tests.conftest import make_hf_checkpoint, tiny_vault
-from tests.test_budget import default_context
+from tests.unit.test_budget import default_context
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,1 @@
+"""On a CUDA GPU only (the device machine); skipped elsewhere."""
