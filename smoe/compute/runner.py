@@ -9,6 +9,7 @@ evaluated (MLX is lazy, so they are never computed).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,29 @@ class Runner:
         if self.tracer is not None and self.tracer.step.deferred:
             self.tracer.flush()
 
+    def _pass(
+        self, seqs: list[Sequence_], tokens: mx.array, cache: list[Any], rules: bool = True
+    ) -> mx.array:
+        """The one evaluated pass each eager decode flavour runs (plain, batched, verify,
+        next_logits): ``tokens`` [B, T] through the model on ``cache`` (``rules``: under
+        the device's kernel rules, each row with its solo kernels), the sequences' caches
+        quantized as mlx-lm's generate_step does, evaluated, the deferred routing counted.
+        Returns the logits [B, T, V]. If the pass fails, every sequence in ``seqs`` is
+        reset (its layers would be out of step) and the error raised."""
+        self._phase(1)
+        try:
+            with solo_rows(self.rules) if rules else contextlib.nullcontext():
+                y: mx.array = self.model(tokens, cache=cache)
+            for s in seqs:
+                self._quantize(s.cache)
+            mx.eval(y)
+            self._counted()
+        except BaseException:
+            for s in seqs:
+                self.reset(s)
+            raise
+        return y
+
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
@@ -248,13 +272,9 @@ class Runner:
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
         self.settle(seq)
-        self._phase(1)
-        y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
-        self._quantize(seq.cache)
+        y = self._pass([seq], mx.array(seq.tokens[-1:])[None], seq.cache, rules=False)
         seq.cached = len(seq.tokens)
-        out = np.array(y[0, -1].astype(mx.float32))
-        self._counted()
-        return out
+        return np.array(y[0, -1].astype(mx.float32))
 
     def copy(self, seq: Sequence_) -> Sequence_:
         """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
@@ -282,15 +302,7 @@ class Runner:
         if self._can_build_ahead(seq):
             return self._step_ahead(seq, more)
         self.settle(seq)
-        self._phase(1)
-        try:
-            y = self.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)  # [1, 1, V]
-            self._quantize(seq.cache)
-            mx.eval(y)
-            self._counted()
-        except BaseException:
-            self.reset(seq)
-            raise
+        y = self._pass([seq], mx.array(seq.tokens[-1:])[None], seq.cache, rules=False)  # [1, 1, V]
         seq.cached = len(seq.tokens)
         return self._sample(seq, y[:, -1, :])
 
@@ -461,20 +473,9 @@ class Runner:
 
         for s in seqs:
             self.settle(s)
-        self._phase(1)
         tokens = mx.array([s.tokens[-1:] for s in seqs])  # [B, 1]
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
-        try:
-            with solo_rows(self.rules):
-                y: mx.array = self.model(tokens, cache=caches)  # [B, 1, V]
-            for s in seqs:
-                self._quantize(s.cache)
-            mx.eval(y)
-            self._counted()
-        except BaseException:
-            for s in seqs:
-                self.reset(s)
-            raise
+        y = self._pass(seqs, tokens, caches)  # [B, 1, V]
         for s in seqs:
             s.cached = len(s.tokens)
         return y
@@ -530,19 +531,11 @@ class Runner:
         from smoe.compute.rowwise import RowSequence
 
         self.settle(seq)
-        self._phase(1)
         base = len(seq.tokens)
         # Under kernel rules each row is its own decode step, attention included.
         cache = seq.cache if self.rules is None else [RowSequence(c) for c in seq.cache]
-        try:
-            with solo_rows(self.rules):
-                y = self.model(mx.array([seq.tokens[-1], *draft])[None], cache=cache)
-            self._quantize(seq.cache)
-            mx.eval(y)  # [1, k+1, V]: position j's logits give the token after draft[:j]
-            self._counted()
-        except BaseException:
-            self.reset(seq)
-            raise
+        # y [1, k+1, V]: position j's logits give the token after draft[:j]
+        y = self._pass([seq], mx.array([seq.tokens[-1], *draft])[None], cache)
         for j in range(len(draft) + 1):
             guess = draft[j] if j < len(draft) else None
             accepted, token = self._judge(seq, y[:, j, :], guess)
