@@ -29,6 +29,7 @@ from smoe.compute.rowwise import RowCaches
 from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, solo_rows
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
@@ -102,12 +103,14 @@ async def main() -> None:
         )
     print(
         json.dumps(
-            {
-                "benchmark": "batch_build_cost",
-                "vault": args.vault,
-                "device": args.device,
-                "runs": runs,
-            },
+            stamp(
+                {
+                    "benchmark": "batch_build_cost",
+                    "vault": args.vault,
+                    "device": args.device,
+                    "runs": runs,
+                }
+            ),
             indent=1,
         )
     )

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from smoe.util.provenance import stamp
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.cgroup import limited  # noqa: E402  (the tests' cgroup helper)
@@ -64,7 +66,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=512)
     a = p.parse_args()
     runs = [one(a.vault, int(m), a.max_tokens, a.max_context) for m in a.memory]
-    print(json.dumps({"benchmark": "budget_rss", "vault": a.vault, "runs": runs}, indent=1))
+    print(json.dumps(stamp({"benchmark": "budget_rss", "vault": a.vault, "runs": runs}), indent=1))
 
 
 if __name__ == "__main__":

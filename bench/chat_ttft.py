@@ -19,6 +19,7 @@ from pathlib import Path
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 
 WORDS = [
     "the",
@@ -138,7 +139,7 @@ async def main() -> None:
         ref = reference_chunk_s(vault, cached, runs[0]["second_turn_prefilled_tokens"])
         report["mlx_lm_in_memory_chunk_s"] = dict(zip(map(str, cached), ref, strict=True))
         report["mlx_lm_ratio_long_over_short"] = round(ref[-1] / ref[0], 3)
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report), indent=1))
 
 
 if __name__ == "__main__":

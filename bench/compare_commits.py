@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from smoe.util.provenance import stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,7 +98,7 @@ def main() -> int:
             if o
         ]
         result[m] = sides | {"median_ratio_new_over_old": round(statistics.median(ratios), 3)}
-    print(json.dumps(result, indent=1))
+    print(json.dumps(stamp(result), indent=1))
     return 0
 
 

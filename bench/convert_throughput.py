@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from smoe.util.provenance import stamp
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
@@ -47,19 +49,21 @@ def main() -> int:
     src_bytes = manifest["source"]["bytes"]
     print(
         json.dumps(
-            {
-                "source": str(args.src),
-                "source_bytes": src_bytes,
-                "seconds": round(seconds, 2),
-                "source_MB_per_s": round(src_bytes / 1e6 / seconds, 1),
-                "peak_rss_bytes": peak_kib * 1024,
-                "record_size": manifest["record"]["size"],
-                "record_stride": manifest["record"]["stride"],
-                "records": manifest["experts"]["count"],
-                "experts_bytes": manifest["experts"]["bytes"],
-                "quantization": manifest["quantization"],
-                "options": args.convert_args,
-            },
+            stamp(
+                {
+                    "source": str(args.src),
+                    "source_bytes": src_bytes,
+                    "seconds": round(seconds, 2),
+                    "source_MB_per_s": round(src_bytes / 1e6 / seconds, 1),
+                    "peak_rss_bytes": peak_kib * 1024,
+                    "record_size": manifest["record"]["size"],
+                    "record_stride": manifest["record"]["stride"],
+                    "records": manifest["experts"]["count"],
+                    "experts_bytes": manifest["experts"]["bytes"],
+                    "quantization": manifest["quantization"],
+                    "options": args.convert_args,
+                }
+            ),
             indent=1,
         )
     )

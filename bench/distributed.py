@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.util.provenance import stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,23 +113,25 @@ def main() -> int:
     rates = {n: statistics.median(x["decode_tok_s"] for x in rs) for n, rs in runs.items()}
     print(
         json.dumps(
-            {
-                "benchmark": "distributed",
-                "vault": str(a.vault),
-                "slots_per_rank": a.slots,
-                "ranks": a.ranks,
-                "device": a.device or "default",
-                "backend": a.backend,
-                "temperature": a.temp,
-                "tokens": a.tokens,
-                "same_tokens": same,
-                "median_decode_tok_s": rates,
-                "speedup": round(rates[str(a.ranks)] / rates["1"], 3),
-                "runs": {
-                    n: [{k: v for k, v in x.items() if k != "tokens"} for x in rs]
-                    for n, rs in runs.items()
-                },
-            },
+            stamp(
+                {
+                    "benchmark": "distributed",
+                    "vault": str(a.vault),
+                    "slots_per_rank": a.slots,
+                    "ranks": a.ranks,
+                    "device": a.device or "default",
+                    "backend": a.backend,
+                    "temperature": a.temp,
+                    "tokens": a.tokens,
+                    "same_tokens": same,
+                    "median_decode_tok_s": rates,
+                    "speedup": round(rates[str(a.ranks)] / rates["1"], 3),
+                    "runs": {
+                        n: [{k: v for k, v in x.items() if k != "tokens"} for x in rs]
+                        for n, rs in runs.items()
+                    },
+                }
+            ),
             indent=1,
         )
     )

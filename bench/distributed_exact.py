@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from smoe.engine import Engine  # noqa: E402
 from smoe.util.loop import run  # noqa: E402
+from smoe.util.provenance import stamp  # noqa: E402
 from tests.exact.test_engine_exact import engine_decode, engine_generate  # noqa: E402
 
 
@@ -80,14 +81,16 @@ def main() -> int:
             )
     print(
         json.dumps(
-            {
-                "vault": a.vault,
-                "slots": a.slots,
-                "backend": a.backend,
-                "device": a.device,
-                "tokens": tokens,
-                "ranks": ranks,
-            },
+            stamp(
+                {
+                    "vault": a.vault,
+                    "slots": a.slots,
+                    "backend": a.backend,
+                    "device": a.device,
+                    "tokens": tokens,
+                    "ranks": ranks,
+                }
+            ),
             indent=1,
         )
     )

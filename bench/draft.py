@@ -27,6 +27,7 @@ import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.compute.draft import DraftGovernor, Drafting
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 KJV = Path(__file__).resolve().parent.parent / "tests" / "data" / "kjv_held_out.txt"
@@ -147,7 +148,7 @@ async def main() -> None:
         summary["identical_tokens"] = len(outputs) == 1
         summary["prompt_tokens"] = len(ids)
         report["tasks"][task] = summary
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report), indent=1))
 
 
 if __name__ == "__main__":

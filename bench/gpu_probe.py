@@ -28,6 +28,7 @@ import numpy as np
 
 from smoe.io.direct_file import open_direct
 from smoe.io.staged import StagedRing
+from smoe.util.provenance import stamp
 from smoe.vault.layout import RecordLayout
 
 Q235 = RecordLayout.build(
@@ -190,7 +191,7 @@ def main() -> None:
         report[f"commits_{name}"] = probe_commits(args.dir, host, bounce, args.rounds)
         print(json.dumps(report[f"commits_{name}"]), file=sys.stderr, flush=True)
     report["offsets"] = probe_offsets()
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report), indent=1))
 
 
 if __name__ == "__main__":

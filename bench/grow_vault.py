@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault, file_checksum
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.manifest import ExpertLayer, Manifest
@@ -160,13 +161,15 @@ def main() -> None:
     m = vault.manifest
     print(
         json.dumps(
-            {
-                "vault": str(vault.path),
-                "layers": len(m.layers),
-                "records": m.num_records,
-                "experts_GB": round(m.experts_bytes / 1e9, 2),
-                "seconds": round(time.perf_counter() - start, 1),
-            }
+            stamp(
+                {
+                    "vault": str(vault.path),
+                    "layers": len(m.layers),
+                    "records": m.num_records,
+                    "experts_GB": round(m.experts_bytes / 1e9, 2),
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+            )
         )
     )
 

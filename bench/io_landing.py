@@ -14,6 +14,7 @@ import statistics
 
 from smoe.bench.io import streamer_run
 from smoe.io.disk_probe import baseline_run, drop_file_cache
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
@@ -51,14 +52,16 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     print(
         json.dumps(
-            {
-                "benchmark": "io_landing",
-                "vault": args.vault,
-                "slots": args.slots,
-                "reads": args.reads,
-                "path": args.path,
-                "rows": rows,
-            }
+            stamp(
+                {
+                    "benchmark": "io_landing",
+                    "vault": args.vault,
+                    "slots": args.slots,
+                    "reads": args.reads,
+                    "path": args.path,
+                    "rows": rows,
+                }
+            )
         )
     )
 

@@ -22,6 +22,7 @@ import numpy as np
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.util.loop import run
+from smoe.util.provenance import stamp
 
 SETTINGS: list[int | None] = [None, 8, 4]
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring", default=None, help="ring size: a share of the experts, all, a size")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    json.dump(run(main_async(args)), sys.stdout, indent=1)
+    json.dump(stamp(run(main_async(args))), sys.stdout, indent=1)
     print()
     return 0
 

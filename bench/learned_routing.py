@@ -22,6 +22,7 @@ import numpy as np
 import smoe.util.loop
 from smoe.engine import Engine
 from smoe.telemetry.archive import DECODE, RoutingArchive
+from smoe.util.provenance import stamp
 
 DEFAULT_TEXT = Path(__file__).parent.parent / "tests" / "data" / "kjv_held_out.txt"
 
@@ -95,7 +96,7 @@ async def main() -> None:
             "tokens": chats.num_tokens,
             "lookahead_recall": engine.tracer.lookahead_recall,
         }
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report), indent=1))
 
 
 if __name__ == "__main__":

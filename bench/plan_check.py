@@ -29,6 +29,7 @@ from smoe.engine import Engine
 from smoe.forecast.planner import PlanOptions, make_plan, open_subject
 from smoe.forecast.probe import probe_compute
 from smoe.forecast.speed import forecast, routing_probabilities
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
@@ -183,7 +184,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured requests per budget")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--chunks", type=int, default=2, help="prefill chunks per prompt (all runs)")
-    print(json.dumps(asyncio.run(check(p.parse_args())), indent=1))
+    print(json.dumps(stamp(asyncio.run(check(p.parse_args()))), indent=1))
 
 
 if __name__ == "__main__":

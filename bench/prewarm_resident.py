@@ -19,6 +19,7 @@ import smoe.util.loop
 from smoe.chat.demo import demo_vault
 from smoe.engine import Engine
 from smoe.sched.types import Priority
+from smoe.util.provenance import stamp
 
 
 async def drain(engine: Engine) -> None:
@@ -68,7 +69,14 @@ async def main() -> None:
     same = len({tuple(run.pop("tokens")) for run in runs}) == 1
     print(
         json.dumps(
-            {"benchmark": "prewarm_resident", "vault": vault, "runs": runs, "tokens_equal": same},
+            stamp(
+                {
+                    "benchmark": "prewarm_resident",
+                    "vault": vault,
+                    "runs": runs,
+                    "tokens_equal": same,
+                }
+            ),
             indent=1,
         )
     )

@@ -30,6 +30,7 @@ from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
 from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
@@ -163,16 +164,18 @@ async def main() -> None:
     medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
     print(
         json.dumps(
-            {
-                "benchmark": "resident_overhead",
-                "vault": args.vault,
-                "device": args.device,
-                "tokens": args.tokens,
-                "warm_up_round": {k: round(v, 3) for k, v in warm_up.items()},
-                "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
-                "median_ms_per_token": medians,
-                "graph": {"engine": ours, "mlx_lm": theirs},
-            },
+            stamp(
+                {
+                    "benchmark": "resident_overhead",
+                    "vault": args.vault,
+                    "device": args.device,
+                    "tokens": args.tokens,
+                    "warm_up_round": {k: round(v, 3) for k, v in warm_up.items()},
+                    "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
+                    "median_ms_per_token": medians,
+                    "graph": {"engine": ours, "mlx_lm": theirs},
+                }
+            ),
             indent=1,
         )
     )

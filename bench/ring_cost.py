@@ -15,6 +15,8 @@ import time
 
 import mlx.core as mx
 
+from smoe.util.provenance import stamp
+
 
 def main() -> None:
     d, o, gs = 2048, 768, 64
@@ -50,7 +52,7 @@ def main() -> None:
                     "MB_touched_per_call": round((mx.get_peak_memory() - before) / 1e6, 2),
                 }
             )
-    print(json.dumps(rows, indent=1))
+    print(json.dumps(stamp(rows if isinstance(rows, dict) else {"rows": rows}), indent=1))
 
 
 if __name__ == "__main__":

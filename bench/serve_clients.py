@@ -35,6 +35,7 @@ import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
+from smoe.util.provenance import stamp
 
 
 async def stream_one(
@@ -200,18 +201,20 @@ async def main() -> None:
         rules = None if engine.rules is None else engine.rules.measured
     print(
         json.dumps(
-            {
-                "benchmark": "serve_clients",
-                "vault": args.vault,
-                "memory": args.memory,
-                "ring": ring,
-                "filled": args.fill,
-                "kernel_rules": rules,
-                "max_tokens": args.max_tokens,
-                "prompt_tokens": args.prompt_tokens,
-                "client_process": args.client_process,
-                "runs": rows,
-            },
+            stamp(
+                {
+                    "benchmark": "serve_clients",
+                    "vault": args.vault,
+                    "memory": args.memory,
+                    "ring": ring,
+                    "filled": args.fill,
+                    "kernel_rules": rules,
+                    "max_tokens": args.max_tokens,
+                    "prompt_tokens": args.prompt_tokens,
+                    "client_process": args.client_process,
+                    "runs": rows,
+                }
+            ),
             indent=1,
         )
     )

@@ -25,6 +25,7 @@ import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
+from smoe.util.provenance import stamp
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -120,7 +121,7 @@ async def main() -> None:
             for api in apis
         },
     }
-    json.dump(result, sys.stdout, indent=2)
+    json.dump(stamp(result), sys.stdout, indent=2)
     print()
 
 

@@ -25,6 +25,7 @@ import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions, serve
+from smoe.util.provenance import stamp
 
 
 async def main() -> None:
@@ -96,20 +97,22 @@ async def main() -> None:
     reuse, fresh = statistics.median(times["reuse"]), statistics.median(times["no_reuse"])
     print(
         json.dumps(
-            {
-                "benchmark": "serve_prefix",
-                "vault": args.vault,
-                "memory": args.memory,
-                "first_request_prompt_tokens": first_tokens,
-                "follow_up_prompt_tokens": follow_tokens,
-                "ttft_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-                # prompt tokens run before the first token (the last one runs with it)
-                "prefilled_tokens": prefilled,
-                "reply_continued": continued,
-                "median_ttft_reuse_s": round(reuse, 3),
-                "median_ttft_no_reuse_s": round(fresh, 3),
-                "speedup": round(fresh / reuse, 2),
-            },
+            stamp(
+                {
+                    "benchmark": "serve_prefix",
+                    "vault": args.vault,
+                    "memory": args.memory,
+                    "first_request_prompt_tokens": first_tokens,
+                    "follow_up_prompt_tokens": follow_tokens,
+                    "ttft_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
+                    # prompt tokens run before the first token (the last one runs with it)
+                    "prefilled_tokens": prefilled,
+                    "reply_continued": continued,
+                    "median_ttft_reuse_s": round(reuse, 3),
+                    "median_ttft_no_reuse_s": round(fresh, 3),
+                    "speedup": round(fresh / reuse, 2),
+                }
+            ),
             indent=1,
         )
     )

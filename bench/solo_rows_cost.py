@@ -21,6 +21,7 @@ import smoe.util.loop
 from smoe.bench.generate import random_prompt
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 
 
 async def decode(vault: str, device: str | None, rules: bool | None, prompt, n: int) -> dict:
@@ -72,14 +73,16 @@ async def main() -> None:
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     print(
         json.dumps(
-            {
-                "benchmark": "solo_rows_cost",
-                "vault": args.vault,
-                "device": args.device,
-                "runs": runs,
-                "on_over_off_median": round(statistics.median(ratios), 3),
-                "tokens_equal": same,
-            },
+            stamp(
+                {
+                    "benchmark": "solo_rows_cost",
+                    "vault": args.vault,
+                    "device": args.device,
+                    "runs": runs,
+                    "on_over_off_median": round(statistics.median(ratios), 3),
+                    "tokens_equal": same,
+                }
+            ),
             indent=1,
         )
     )

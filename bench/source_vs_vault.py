@@ -37,6 +37,7 @@ import mlx.core as mx
 from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
 from smoe.synth import synthesize
+from smoe.util.provenance import stamp
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.format import Vault
 from smoe.vault.source import Source
@@ -248,26 +249,28 @@ async def main() -> None:
     layers = Vault.open(vault).manifest.topology["num_layers"]
     print(
         json.dumps(
-            {
-                "model": (
-                    f"qwen3_moe, Qwen3-30B-A3B expert geometry, {layers} layers, "
-                    + ("bf16 experts" if args.format == "hf" else "4-bit experts (mlx4)")
-                ),
-                "format": args.format,
-                "device": str(mx.default_device()),
-                "record_bytes": index.layout.size,
-                "shards": len(index.files),
-                "ring": args.ring,
-                "tokens": args.tokens,
-                "prompt_tokens": args.prompt_tokens,
-                "rounds": args.rounds,
-                "same_tokens": same,
-                "source": s,
-                "vault": v,
-                "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
-                "io_only": io,
-                "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
-            },
+            stamp(
+                {
+                    "model": (
+                        f"qwen3_moe, Qwen3-30B-A3B expert geometry, {layers} layers, "
+                        + ("bf16 experts" if args.format == "hf" else "4-bit experts (mlx4)")
+                    ),
+                    "format": args.format,
+                    "device": str(mx.default_device()),
+                    "record_bytes": index.layout.size,
+                    "shards": len(index.files),
+                    "ring": args.ring,
+                    "tokens": args.tokens,
+                    "prompt_tokens": args.prompt_tokens,
+                    "rounds": args.rounds,
+                    "same_tokens": same,
+                    "source": s,
+                    "vault": v,
+                    "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
+                    "io_only": io,
+                    "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
+                }
+            ),
             indent=1,
         )
     )

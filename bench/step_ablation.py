@@ -30,6 +30,7 @@ from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
 from smoe.compute.runner import Runner, SamplingParams
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
@@ -104,14 +105,16 @@ async def main() -> None:
     }
     print(
         json.dumps(
-            {
-                "benchmark": "step_ablation",
-                "vault": args.vault,
-                "device": args.device,
-                "tokens": args.tokens,
-                "rounds": rounds,
-                "median_ms": medians,
-            },
+            stamp(
+                {
+                    "benchmark": "step_ablation",
+                    "vault": args.vault,
+                    "device": args.device,
+                    "tokens": args.tokens,
+                    "rounds": rounds,
+                    "median_ms": medians,
+                }
+            ),
             indent=1,
         )
     )

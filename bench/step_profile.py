@@ -27,6 +27,7 @@ import smoe.util.loop
 from smoe.bench.generate import random_prompt, ring_options
 from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 # part -> (file suffix, function name) whose cumulative time it is
@@ -93,15 +94,17 @@ async def main() -> None:
     parts = parts_of(stats, args.steps)
     print(
         json.dumps(
-            {
-                "benchmark": "step_profile",
-                "vault": args.vault,
-                "memory": args.memory,
-                "device": args.device,
-                "resident": resident,
-                "profiled_ms_per_step": round(wall / args.steps * 1e3, 3),
-                "parts_ms_per_step": parts,
-            },
+            stamp(
+                {
+                    "benchmark": "step_profile",
+                    "vault": args.vault,
+                    "memory": args.memory,
+                    "device": args.device,
+                    "resident": resident,
+                    "profiled_ms_per_step": round(wall / args.steps * 1e3, 3),
+                    "parts_ms_per_step": parts,
+                }
+            ),
             indent=1,
         )
     )

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.argv = ["smoe", *argv]  # the command as typed (a benchmark's report records it)
     # `smoe bench policy` parses its own options (smoe.bench.policy): it gets the rest.
     if getattr(args, "passthrough", False):
         args.rest = rest

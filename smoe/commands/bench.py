@@ -11,6 +11,7 @@ from typing import Any
 
 from smoe.commands.options import add_device
 from smoe.errors import SmoeError
+from smoe.util.provenance import stamp
 
 
 def _int_list(text: str, minimum: int = 1) -> list[int]:
@@ -57,7 +58,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         control=args.control,
     )
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report, args.argv), indent=1))
     for row in report["sweep"]:
         print(
             f"{row['path']:>8} busy {row['busy_processes']:>2} parts {row['read_parts']} "
@@ -85,7 +86,7 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     )
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report, args.argv), indent=1))
     for r in report["runs"]:
         print(
             f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
@@ -113,7 +114,7 @@ def cmd_bench_resident(args: argparse.Namespace) -> int:
             ring=args.ring,
         )
     )
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report, args.argv), indent=1))
     e, r = report["engine"], report["mlx_lm"]
     print(
         f"decode {e['decode_tok_s']:.1f} vs mlx-lm {r['decode_tok_s']:.1f} tok/s "
@@ -135,7 +136,7 @@ def cmd_bench_limits(args: argparse.Namespace) -> int:
 
         plot_time_breakdown(report["runs"], args.plot)
         report["plot"] = str(args.plot)
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report, args.argv), indent=1))
     for r in report["runs"]:
         if args.bench == "decode":
             print(
@@ -200,7 +201,7 @@ def cmd_bench_locality(args: argparse.Namespace) -> int:
     from smoe.telemetry.archive import RoutingArchive
 
     report = bench_locality(RoutingArchive.load(args.archive))
-    print(json.dumps(report, indent=1))
+    print(json.dumps(stamp(report, args.argv), indent=1))
     print(json.dumps(report.get("headline", {})), file=sys.stderr)
     return 0
 
