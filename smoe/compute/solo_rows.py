@@ -42,7 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from smoe.compute.row_gemv import FLOAT_KERNELS, exact_float_kernel
-from smoe.compute.switch import SORT_FROM, switch_call, unsorted_call
+from smoe.compute.switch import SORT_FROM, split_call, switch_call, unsorted_call
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def expert_call(
     ``sort``: the whole call is one mlx-lm sorts (switch_call). ``rules`` None: mlx-lm's
     own call, for a backend whose rows never depend on others."""
     if rules is None:
-        return switch_call(module, x, idx, sort)
+        return split_call(module, x, idx, sort)  # (the CPU's cores share a large call)
     solo = active_rules() is not None
     k, lead = idx.shape[-1], idx.shape[:-1]
     if not _is_quantized(module):
