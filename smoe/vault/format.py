@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import time
 import warnings
@@ -24,7 +23,7 @@ from smoe.errors import VaultError
 from smoe.models.topology import EXPERT_COUNT_KEYS, TOP_K_KEYS
 from smoe.util.files import recover_dir, write_json_atomic
 from smoe.vault.checks import CONVERT_AGAIN, DIM_MAX, Check, parse_json, read_limited, show
-from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
+from smoe.vault.integrity import DEFAULT_ALGORITHM, digest, stream_digest
 from smoe.vault.manifest import FORMAT, VERSION, Manifest, check_signature
 from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE, EXPERTS_FILE, MANIFEST, STATS_DIR
 from smoe.vault.packing import Packing, quant_entry
@@ -39,14 +38,12 @@ MAX_SIDE_FILE_BYTES = 512 << 20
 
 def file_checksum(path: Path | str, algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
     """``{"algorithm", "value"}``: the manifest's entry for a whole file (the backbone, the
-    config). The file is mapped, not read into memory; OSError if it cannot be read."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return {"algorithm": algorithm, "value": digest(algorithm, b"")}
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if hasattr(mm, "madvise"):  # one pass, front to back: read ahead far
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-            return {"algorithm": algorithm, "value": digest(algorithm, mm)}
+    config). Read in blocks through one buffer, never mapped: the hash of a 700 MB backbone
+    must not add 700 MB to a process held to its --memory; OSError if it cannot be read."""
+    with open(path, "rb", buffering=0) as f:
+        with contextlib.suppress(OSError, AttributeError):  # one pass: read ahead far
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return {"algorithm": algorithm, "value": stream_digest(algorithm, f)}
 
 
 def _check_config(config: Any, m: Manifest, where: str) -> dict[str, Any]:
