@@ -102,6 +102,17 @@ def main() -> None:
         return out[None]
 
     deq_s, deq = timed(dequantized, a.rounds)
+    # What the cores reach on dense float32 work (BLAS through MLX): the ceiling to compare.
+    dense = mx.array(rng.standard_normal((2048, 2048)).astype(np.float32))
+    dense_s, _ = timed(lambda: dense @ dense, a.rounds)
+    dense_gflops = 2 * 2048**3 / dense_s / 1e9
+    # ... and through numpy's BLAS (OpenBLAS here): what the cores can do at all.
+    host = np.array(dense)
+    host @ host
+    start = time.perf_counter()
+    for _ in range(a.rounds):
+        host @ host
+    blas_gflops = 2 * 2048**3 * a.rounds / (time.perf_counter() - start) / 1e9
     report = {
         "benchmark": "cpu_expert_matmul",
         "shape": {
@@ -120,6 +131,9 @@ def main() -> None:
         "two_streams_s": round(two_s, 4),
         "two_streams_gflops": round(flops / two_s / 1e9, 2),
         "speedup_two_streams": round(one_s / two_s, 3),
+        "dense_float32_matmul_gflops": round(dense_gflops, 1),
+        "share_of_dense_one_stream": round(flops / one_s / 1e9 / dense_gflops, 3),
+        "numpy_blas_float32_gflops": round(blas_gflops, 1),
         "dequantized_float_s": round(deq_s, 4),
         "dequantized_float_gflops": round(flops / deq_s / 1e9, 2),
         "dequantized_max_abs_diff": float(np.abs(np.array(deq) - np.array(want)).max()),
