@@ -297,10 +297,14 @@ class ExpertScheduler:
         """Queue speculative reads for experts not in the ring; return how many were queued.
 
         Never evicts a pinned or LOADING slot, never runs ahead of demand, and does nothing
-        while any demand request waits for room.
+        while any demand request waits for room, or while recent bets were mostly wasted
+        (``SpeculationGovernor``: a probe still goes through now and then).
         """
         self._check_open()
         if self._room_waiters:
+            return 0
+        if not self._table.governor.allows():  # recent bets did not pay (sched/governor.py)
+            self.stats.speculative_declined += 1
             return 0
         queued = 0
         for expert in dict.fromkeys(int(e) for e in experts):

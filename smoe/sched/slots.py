@@ -23,6 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from smoe.sched.governor import SpeculationGovernor
 from smoe.sched.policy import EvictionPolicy
 from smoe.sched.stats import SchedulerStats
 from smoe.sched.types import Key, Priority, SlotState
@@ -65,6 +66,7 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(num_slots)]
         self.policy = policy
         self.stats = stats
+        self.governor = SpeculationGovernor()  # bets' outcomes: whether to take more
         self._where: dict[Key, Slot] = {}
         self._queues: dict[Priority, deque[Slot]] = {p: deque() for p in Priority}
         self._holdings: dict[object, Counter[int]] = {}  # owner -> pins per slot
@@ -268,6 +270,7 @@ class SlotTable:
         if slot.speculative:
             slot.speculative = False
             self.stats.speculative_used += 1
+            self.governor.outcome(used=True)
         if slot.state is SlotState.LOADING and slot.priority is Priority.SPECULATIVE:
             self.stats.promotions += 1
             if not slot.started:
@@ -324,6 +327,9 @@ class SlotTable:
 
     def _evict(self, slot: Slot) -> None:
         assert slot.pins == 0 and slot.state is SlotState.READY and slot.key is not None
+        if slot.speculative:  # a bet read and never asked for
+            self.stats.speculative_wasted += 1
+            self.governor.outcome(used=False)
         del self._where[slot.key]
         self.policy.on_remove(slot.key)
         self._empty(slot)

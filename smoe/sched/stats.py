@@ -72,6 +72,8 @@ class SchedulerStats:
     evictions: int = 0
     promotions: int = 0  # speculative reads that demand caught up with
     speculative_used: int = 0  # speculative loads later demanded (a useful bet)
+    speculative_wasted: int = 0  # speculative loads evicted without demand asking
+    speculative_declined: int = 0  # bets the governor refused (smoe.sched.governor)
     hints: int = 0  # resident keys passed to the policy's on_hint (router near misses)
     pins: int = 0  # slot pins taken (acquire, reserve, a resident lease)
     unpins: int = 0  # pins given back, counted as asked (before any check): a release
@@ -97,6 +99,8 @@ class SchedulerStats:
             "evictions": self.evictions,
             "promotions": self.promotions,
             "speculative_used": self.speculative_used,
+            "speculative_wasted": self.speculative_wasted,
+            "speculative_declined": self.speculative_declined,
             "hints": self.hints,
             "bytes_read": self.bytes_read(),
             "by_priority": {

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from smoe.sched.governor import SpeculationGovernor
 from smoe.sched.policy import EvictionPolicy, make_policy
 from smoe.sched.types import Key, RingTooSmall
 
@@ -201,13 +202,16 @@ class _ReplayRing:
         self.candidates = _Candidates(self.resident)
         self.speculative: set[Key] = set()  # prefetched, not used yet
         self.hits = self.spec_reads = self.spec_used = 0
+        self.governor = SpeculationGovernor()  # as the scheduler's: bets that do not pay stop
 
     def evict(self) -> None:
         out = self.policy.victim(self.candidates)
         if out not in self.candidates:
             raise AssertionError(f"policy {self.policy.name} chose {out}, not a candidate")
         self.resident.remove(out)
-        self.speculative.discard(out)
+        if out in self.speculative:  # a bet evicted unused
+            self.speculative.discard(out)
+            self.governor.outcome(used=False)
         self.policy.on_remove(out)
 
     def demand(self, keys: Sequence[Key]) -> None:
@@ -222,6 +226,7 @@ class _ReplayRing:
                 if key in speculative:
                     speculative.discard(key)
                     self.spec_used += 1
+                    self.governor.outcome(used=True)
                 on_access(key)
                 continue
             if len(resident) >= self.slots:
@@ -237,21 +242,27 @@ class _ReplayRing:
                 on_hint(key)
 
     def prefetch(self, keys: Sequence[Key]) -> None:
-        """Load ``keys`` speculatively; those loading are not candidates for eviction."""
+        """Load ``keys`` speculatively; those loading are not candidates for eviction. One
+        ``ExpertScheduler.prefetch`` call per run of one layer's keys (as
+        ``replay_scheduler`` makes them), each skipped while the governor declines."""
         loading: set[Key] = set()  # LOADING in the scheduler: not a candidate
         self.candidates.pinned = loading
-        for key in keys:
-            if key in self.resident:
+        for layer, experts in _by_layer(keys):
+            if not self.governor.allows():
                 continue
-            if len(self.resident) >= self.slots:
-                if not len(self.candidates):
-                    break
-                self.evict()
-            self.resident.add(key)
-            loading.add(key)
-            self.speculative.add(key)
-            self.policy.on_insert(key)
-            self.spec_reads += 1
+            for expert in experts:
+                key = (layer, expert)
+                if key in self.resident:
+                    continue
+                if len(self.resident) >= self.slots:
+                    if not len(self.candidates):
+                        return
+                    self.evict()
+                self.resident.add(key)
+                loading.add(key)
+                self.speculative.add(key)
+                self.policy.on_insert(key)
+                self.spec_reads += 1
 
 
 def replay(
