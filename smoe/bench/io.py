@@ -42,20 +42,20 @@ from smoe.sched.scheduler import ExpertScheduler
 from smoe.vault.format import Vault
 
 
-class _Committer:
+class _CommitThread:
     """A thread that owns a staged ring's MLX work, as the engine's compute thread does:
     it builds the ring and commits landed records until told to stop."""
 
-    def __init__(self, make_ring: Any) -> None:
+    def __init__(self, build: Any) -> None:
         self._made: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._stop: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(make_ring,), name="bench-commit")
+        self._thread = threading.Thread(target=self._run, args=(build,), name="bench-commit")
         self._thread.start()
         self.ring = self._made.result()
 
-    def _run(self, make_ring: Any) -> None:
+    def _run(self, build: Any) -> None:
         try:
-            ring = make_ring()
+            ring = build()
         except BaseException as e:
             self._made.set_exception(e)
             return
@@ -68,7 +68,9 @@ class _Committer:
         self._thread.join()
 
 
-def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _Committer | None]:
+def bench_ring(
+    vault: Vault, path: str, slots: int, workers: int
+) -> tuple[Any, _CommitThread | None]:
     """The ring of ``path`` ('unified' or 'staged', as the engine builds it on this
     device), and for a staged ring the thread committing its landings."""
     import mlx.core as mx
@@ -83,7 +85,7 @@ def make_ring(vault: Vault, path: str, slots: int, workers: int) -> tuple[Any, _
     def build() -> StagedRing:
         return StagedRing.for_vault(m, slots, dtype, workers=workers, gpu=gpu, discrete=discrete)
 
-    committer = _Committer(build)
+    committer = _CommitThread(build)
     return committer.ring, committer
 
 
@@ -98,7 +100,7 @@ async def _streamer(
     verify: bool = True,
 ) -> RunResult:
     m = vault.manifest
-    ring, committer = make_ring(vault, path, slots, workers)
+    ring, committer = bench_ring(vault, path, slots, workers)
     reader = DirectReader(vault, ring, workers=workers, parts=parts, verify=verify)
     sched = ExpertScheduler(
         slots,

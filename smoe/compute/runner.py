@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
 from smoe.compute.solo_rows import KernelRules, solo_rows
 from smoe.compute.timeline import StepTime, StepTimeline
+from smoe.compute.tracing import forward_pass
 from smoe.sampling import SamplingParams as SamplingParams  # re-exported: its old home
 from smoe.util.tokens import common_prefix as common_prefix  # re-exported
 
@@ -135,32 +136,43 @@ class Runner:
         self.timeline = StepTimeline()  # steps built ahead: build, queue, wait (host time)
         self._queue_s = 0.0  # async_eval's time within the step being timed
 
-    def _phase(self, phase: int) -> None:
-        if self.tracer is not None:
-            self.tracer.step.phase = phase
+    def _forward(
+        self,
+        tokens: mx.array,
+        cache: list[Any],
+        filled: list[list[Any]],
+        phase: int = 1,
+        rules: bool = False,
+    ) -> tuple[mx.array, Any]:
+        """The one place the model runs, lazily: ``tokens`` [B, T] on ``cache`` inside a
+        ``forward_pass`` of ``phase`` (``rules``: under the device's kernel rules, each
+        row with its solo kernels); then each cache in ``filled`` quantized as mlx-lm's
+        generate_step does. Returns the logits [B, T, V] (not evaluated) and the routing
+        the pass deferred (``Tracer.take``; None without a tracer), to count once it is."""
+        with forward_pass(phase) as state:
+            with solo_rows(self.rules) if rules else contextlib.nullcontext():
+                y: mx.array = self.model(tokens, cache=cache)
+            routing = self.tracer.take(state) if self.tracer is not None else None
+        for c in filled:
+            self._quantize(c)
+        return y, routing
 
-    def _counted(self) -> None:
-        """After a forward pass is evaluated: count the routing it deferred."""
-        if self.tracer is not None and self.tracer.step.deferred:
-            self.tracer.flush()
+    def _count(self, routing: Any) -> None:
+        """Count a pass's deferred routing once the pass has been evaluated."""
+        if self.tracer is not None:
+            self.tracer.count(routing)
 
     def _pass(
         self, seqs: list[Sequence_], tokens: mx.array, cache: list[Any], rules: bool = True
     ) -> mx.array:
-        """The one evaluated pass each eager decode flavour runs (plain, batched, verify,
-        next_logits): ``tokens`` [B, T] through the model on ``cache`` (``rules``: under
-        the device's kernel rules, each row with its solo kernels), the sequences' caches
-        quantized as mlx-lm's generate_step does, evaluated, the deferred routing counted.
-        Returns the logits [B, T, V]. If the pass fails, every sequence in ``seqs`` is
-        reset (its layers would be out of step) and the error raised."""
-        self._phase(1)
+        """The evaluated decode pass (plain, batched, verify, next_logits): ``_forward``
+        on ``seqs``' ``cache``, evaluated, its routing counted. Returns the logits
+        [B, T, V]. If the pass fails, every sequence in ``seqs`` is reset (its layers
+        would be out of step) and the error raised."""
         try:
-            with solo_rows(self.rules) if rules else contextlib.nullcontext():
-                y: mx.array = self.model(tokens, cache=cache)
-            for s in seqs:
-                self._quantize(s.cache)
-            mx.eval(y)
-            self._counted()
+            y, routing = self._forward(tokens, cache, [s.cache for s in seqs], rules=rules)
+            mx.eval(y, *([routing.ids] if routing is not None else []))
+            self._count(routing)
         except BaseException:
             for s in seqs:
                 self.reset(s)
@@ -181,17 +193,15 @@ class Runner:
     def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
         """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
         out = []
-        self._phase(0)
         for start in range(0, len(tokens), self.chunk):
             piece = mx.array(list(tokens[start : start + self.chunk]))[None]
-            y = self.model(piece, cache=cache)
-            self._quantize(cache)
+            y, routing = self._forward(piece, cache, [cache], phase=0)
             if logits:
                 mx.eval(y)
                 out.append(y[0])
             else:
                 mx.eval([c.state for c in cache])  # the layers, not the LM head
-            self._counted()
+            self._count(routing)
         return mx.concatenate(out, axis=0) if logits else None
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -266,8 +276,6 @@ class Runner:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         seq.cache, seq.cached = self.new_cache(), 0
         seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
-        if self.tracer is not None:
-            self.tracer.step.deferred.clear()  # that pass's routing is not counted
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
@@ -320,12 +328,10 @@ class Runner:
 
     def _step_ahead(self, seq: Sequence_, more: bool) -> int:
         """``step`` with the next pass queued before this token is read back."""
-        self._phase(1)
         start, self._queue_s = time.perf_counter(), 0.0
         try:
             if seq.ahead is None:
-                token = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
-                routing = self._queue(token)
+                token, routing = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
             else:
                 # (a row of a batched pass, too: its token and cache entry are its own)
                 token, routing = seq.ahead, seq.ahead_routing
@@ -333,14 +339,12 @@ class Runner:
             if more:
                 # token [1] feeds the next pass lazily: it puts this token's keys and
                 # values in the cache and samples the one after it.
-                nxt = self._build_step(seq, token, len(seq.tokens) + 1)
-                seq.ahead, seq.ahead_routing = nxt, self._queue(nxt)
+                seq.ahead, seq.ahead_routing = self._build_step(seq, token, len(seq.tokens) + 1)
                 self.built_ahead += 1
             built = time.perf_counter()
             value = cast(int, token.item())  # waits for this step's pass only
             self._time_step(1, start, built)
-            if self.tracer is not None:
-                self.tracer.count(routing)
+            self._count(routing)
         except BaseException:
             self.reset(seq)
             raise
@@ -348,17 +352,17 @@ class Runner:
         seq.tokens.append(value)
         return value
 
-    def _build_step(self, seq: Sequence_, last: mx.array, position: int) -> mx.array:
-        """The lazy graph of one decode pass on ``last`` [1] and its sampled token [1]
-        (``position``: the index the sampled token will have in ``seq.tokens``)."""
-        y = self.model(last[None], cache=seq.cache)  # [1, 1, V]
-        self._quantize(seq.cache)
-        return self._draw(seq, y[:, -1, :], position)
+    def _build_step(self, seq: Sequence_, last: mx.array, position: int) -> tuple[mx.array, Any]:
+        """Queue the lazy decode pass on ``last`` [1]; return its sampled token [1]
+        (``position``: the index it will have in ``seq.tokens``) and its routing
+        (``_queue``)."""
+        y, routing = self._forward(last[None], seq.cache, [seq.cache])  # [1, 1, V]
+        token = self._draw(seq, y[:, -1, :], position)
+        return token, self._queue(token, routing)
 
-    def _queue(self, token: mx.array) -> Any:
-        """Start evaluating a built pass (its token and its routing counts); return the
-        routing to count once the token has been read."""
-        routing = self.tracer.take() if self.tracer is not None else None
+    def _queue(self, token: mx.array, routing: Any) -> Any:
+        """Start evaluating a built pass (its token and its routing's ids); return the
+        routing, to count once the token has been read."""
         start = time.perf_counter()
         mx.async_eval(token, *([routing.ids] if routing is not None else []))  # type: ignore[no-untyped-call]
         self._queue_s += time.perf_counter() - start
@@ -400,7 +404,6 @@ class Runner:
         read back, as ``_step_ahead`` does for one sequence. The pass built ahead is used
         when every row comes from it (rows may have left the batch since: those rows are
         settled by their next use); any other batch settles its rows and runs afresh."""
-        self._phase(1)
         start, self._queue_s = time.perf_counter(), 0.0
         try:
             built = seqs[0].ahead_pass
@@ -425,8 +428,7 @@ class Runner:
             queued = time.perf_counter()
             values = cast(list[int], now.tolist())  # waits for this step's pass only
             self._time_step(len(seqs), start, queued)
-            if self.tracer is not None:
-                self.tracer.count(routing)
+            self._count(routing)
         except BaseException:
             for s in seqs:
                 self.reset(s)
@@ -445,14 +447,11 @@ class Runner:
         from smoe.compute.rowwise import RowCaches
 
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
-        with solo_rows(self.rules):
-            y = self.model(last[:, None], cache=caches)  # [B, 1, V]
-        for s in seqs:
-            self._quantize(s.cache)
-        tokens = mx.concatenate(
+        y, routing = self._forward(last[:, None], caches, [s.cache for s in seqs], rules=True)
+        tokens = mx.concatenate(  # [B]
             [self._draw(s, y[i : i + 1, -1, :], len(s.tokens) + offset) for i, s in enumerate(seqs)]
         )
-        return tokens, self._queue(tokens)
+        return tokens, self._queue(tokens, routing)
 
     def _append(self, seqs: list[Sequence_], tokens: mx.array) -> list[int]:
         """Read ``tokens`` [B] back (one sync) and append row i's to ``seqs[i]``."""

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from smoe.compute.tracing import Tracer
+from smoe.compute.tracing import Tracer, current_pass
 
 
 class RouterTap(nn.Module):
@@ -36,7 +36,7 @@ class RouterTap(nn.Module):
         out = self.router(x)
         # Some routers (DeepSeek's MoEGate) return (indices, scores), not logits.
         if isinstance(out, mx.array) and self._tracer.wants_gates():
-            self._tracer.step.gates[self._layer] = out
+            current_pass().gates[self._layer] = out
         return out
 
 
@@ -85,7 +85,7 @@ def look_ahead(
     x: [..., D] this layer's input; idx: [..., k] the experts this layer chose; ``ahead``:
     ``router_ahead``'s output for this x, if it was built already."""
     k = idx.shape[-1]
-    guess = tracer.step.predicted.pop(layer, None)
+    guess = current_pass().predicted.pop(layer, None)
     if guess is not None:
         used = set(idx.reshape(-1).tolist())
         tracer.counters.lookahead_hits += len(guess & used)
@@ -107,7 +107,7 @@ def look_ahead(
     if not prefetch:
         return
     top = np.unique(ranked[:, :k]).tolist()  # a batched step: the union of the rows' guesses
-    tracer.step.predicted[nxt] = set(top)
+    current_pass().predicted[nxt] = set(top)
     source.prefetch(nxt, top)
 
 

@@ -21,8 +21,8 @@ import numpy as np
 from smoe.compute.sharded import ExpertShard
 from smoe.compute.solo_rows import KernelRules, expert_call, reference_rows_of
 from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead, router_ahead
-from smoe.compute.switch import Parts
-from smoe.compute.tracing import LayerTrace, Tracer
+from smoe.compute.switch import CallAssembly
+from smoe.compute.tracing import LayerTrace, Tracer, current_pass
 from smoe.sched.hints import runner_ups
 
 
@@ -148,8 +148,9 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             # need not reach the host; the slot ids are gathered on the device, and
             # mlx-lm's call is the same one it makes in memory.
             if tracer is not None:
-                tracer.step.deferred.append((self.layer, indices, self._source))
-                tracer.step.gates.pop(self.layer, None)  # kept for hints: none needed here
+                state = current_pass()
+                state.deferred.append((self.layer, indices, self._source))
+                state.gates.pop(self.layer, None)  # kept for hints: none needed here
             bank, table = resident
             ref = reference_rows_of(indices.size, indices.shape[-1])
             return expert_call(self._inners[bank], x, table[indices], self._rules, ref)
@@ -240,7 +241,8 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             tracer.observers.popularity.add(self.layer, flat)
         if tracer.observers.on_routing is not None:
             tracer.observers.on_routing(self.layer, flat)
-        gates = tracer.step.gates.pop(self.layer, None)
+        state = current_pass()
+        gates = state.gates.pop(self.layer, None)
         g = None  # router logits [T, E], float32, on the host
         if gates is not None:
             g = np.array(gates.astype(mx.float32)).reshape(flat.shape[0], -1)
@@ -251,13 +253,13 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             ranking = gate_ranking(g, flat, max(record, hint))
         if tracer.observers.recorder is not None:
             if self.layer == tracer.first_layer:
-                tracer.observers.recorder.begin(flat.shape[0], tracer.step.phase)
+                tracer.observers.recorder.begin(flat.shape[0], state.phase)
             if ranking is not None:
                 tracer.observers.recorder.record(self.layer, ranking[:, :record])
         seen = _Seen()
         if ranking is not None and hint:
             seen.hints = runner_ups(ranking, flat.shape[-1], hint)
-        if tracer.spec and tracer.step.phase == 1 and g is not None and flat.shape[0] == 1:
+        if tracer.spec and state.phase == 1 and g is not None and flat.shape[0] == 1:
             seen.bets = (g, flat)  # placed after this layer's own demand has been served
         return seen
 
@@ -267,14 +269,15 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             tracer.observers.hint(self.layer, seen.hints)  # after this request, before the next one
         if seen.bets is not None:
             bet_on_next_token(tracer, self._source, self.layer, *seen.bets, tracer.spec)
-        looking = tracer.lookahead and tracer.step.phase == 1
+        looking = tracer.lookahead and current_pass().phase == 1
         if looking or tracer.observers.recorder is not None:
             look_ahead(tracer, self._source, self.layer, x, idx, looking, seen.ahead)
 
     def _router_ahead(self, tracer: Tracer | None, x: mx.array) -> Any:
         """The lookahead's router output for ``x`` (lazy), where ``_after`` will use it."""
         if tracer is None or not (
-            (tracer.lookahead and tracer.step.phase == 1) or tracer.observers.recorder is not None
+            (tracer.lookahead and current_pass().phase == 1)
+            or tracer.observers.recorder is not None
         ):
             return None
         return router_ahead(tracer, self.layer, x)
@@ -311,7 +314,7 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             resident = int(sum(lease.ready))
             if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots, ref), resident
-            parts = Parts(x, idx)
+            parts = CallAssembly(x, idx)
             pending = list(range(len(experts)))
             ready = [i for i in pending if lease.ready[i]]
             while pending:
@@ -361,7 +364,7 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         # Every bank's slots are held for the whole call: one evaluation of all the parts
         # (one device round trip a layer, not two a bank: measured 3.7x the expert time on
         # a GPU at a 50% ring, docs/performance.md).
-        parts = Parts(x, idx, evaluate=False)
+        parts = CallAssembly(x, idx, evaluate=False)
         sort = sort or parts.sorted
         for bank in banks:
             mine = [i for i, (b, _) in enumerate(located) if b == bank]
@@ -389,7 +392,7 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         """
         if not experts:
             return mx.zeros((*idx.shape, x.shape[-1]), x.dtype), 0
-        parts = Parts(x, idx)
+        parts = CallAssembly(x, idx)
         waves = 0
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]

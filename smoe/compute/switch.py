@@ -6,7 +6,7 @@
   sorts a large call, so a part of such a call uses the same kernels;
 - ``unsorted_call``: the same call never sorted, however many rows (each row then runs
   the per-row kernel a decode step's small call runs: smoe.compute.solo_rows);
-- ``Parts``: the one scatter helper, assembling a call's output from parts computed
+- ``CallAssembly``: the one scatter helper, assembling a call's output from parts computed
   separately (waves, banks, experts as their reads complete) at their (token, rank)
   positions, so the block's combination is the single call's.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from smoe.errors import VaultError
 
 
-class Parts:
+class CallAssembly:
     """Assembles a MoE call's output [..., k, D] from parts computed separately, each on
     the (token, rank) pairs routed to some of the experts, one row per pair. Each pair's
     row is put back at its (token, rank) position, so the block's rank-order combination

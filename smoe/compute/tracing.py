@@ -2,16 +2,24 @@
 
 ``Tracer`` holds the speculation settings and the model wiring (routers, next layer), the
 routing observers (``TraceObservers``: test hooks, the archive recorder, popularity,
-hints), the state of the pass in progress (``PassState``) and bounded counters
-(``TraceCounters``: the newest ``CALLS_KEPT`` calls, so a server running for days keeps
-no more). Routing served from resident tables is counted after the pass
-(``DeferredRouting``): one small copy, no device sync.
+hints) and bounded counters (``TraceCounters``: the newest ``CALLS_KEPT`` calls, so a
+server running for days keeps no more). The engine owns one; every streamed layer reads it.
+
+The state of one forward pass (``PassState``: its phase, router logits on their way to
+the layer that reads them, lookahead predictions, routing to count) is not on the
+Tracer: the runner opens a ``forward_pass`` around each model call and the layers read
+it with ``current_pass()`` (a ContextVar, as ``solo_rows`` is), so it ends with the pass
+and nothing of a failed or dropped pass outlives it. Routing served from resident tables
+is counted after the pass is evaluated (``DeferredRouting``): one small copy, no device
+sync.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +71,38 @@ class TraceObservers:
 
 @dataclass
 class PassState:
-    """State of the forward pass in progress, set and consumed within it."""
+    """State of one forward pass, set and consumed within it (``forward_pass``)."""
 
-    phase: int = 0  # 0 prefill, 1 decode: set by the runner before each forward pass
+    phase: int = 0  # 0 prefill, 1 decode: decode-only work (lookahead, bets) needs 1
     gates: dict[int, mx.array] = field(default_factory=dict)  # router logits, per layer
     predicted: dict[int, set[int]] = field(default_factory=dict)  # lookahead, per layer
     # Routing of layers served from resident tables, counted after the pass (no sync).
     deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
+
+
+_PASS: ContextVar[PassState | None] = ContextVar("smoe_forward_pass", default=None)
+
+
+@contextmanager
+def forward_pass(phase: int) -> Iterator[PassState]:
+    """The state of one forward pass (phase 0 prefill, 1 decode) for the MoE layers run or
+    built inside the block, in this thread or task only. The caller takes the routing to
+    count from the state it yields (``Tracer.take``) once the pass is built; whatever is
+    left when the block ends (a failed pass, leftover logits) is dropped with it."""
+    state = PassState(phase=phase)
+    token = _PASS.set(state)
+    try:
+        yield state
+    finally:
+        _PASS.reset(token)
+
+
+def current_pass() -> PassState:
+    """The state of the enclosing ``forward_pass``. Outside one (a test calling the model
+    directly) a fresh state each call: a prefill's, so no decode-only work runs, and
+    nothing the layer defers is counted."""
+    state = _PASS.get()
+    return state if state is not None else PassState()
 
 
 @dataclass
@@ -86,7 +119,6 @@ class Tracer:
     next_layer: dict[int, int] = field(default_factory=dict)  # MoE layer -> next MoE layer
     num_experts: int = 0  # routed experts per MoE layer (set by build_model)
     observers: TraceObservers = field(default_factory=TraceObservers)
-    step: PassState = field(default_factory=PassState)
     counters: TraceCounters = field(default_factory=TraceCounters)
 
     @property
@@ -104,18 +136,13 @@ class Tracer:
         o = self.observers
         return o.recorder is not None or o.on_routing is not None or bool(self.spec)
 
-    def flush(self) -> None:
-        """Count the deferred routing of the pass just evaluated (popularity, distinct
-        experts, traces); call after each forward pass has been evaluated."""
-        self.count(self.take())
-
-    def take(self) -> DeferredRouting | None:
-        """The routing deferred since the last take (one pass's, when taken after each
-        pass is built), as the layers' chosen expert ids in one lazy array; evaluate
-        ``ids`` with the pass and ``count`` it then: reading it back costs one small copy,
-        no device sync. One device op per pass: the histogram is counted on the host
-        (each extra small kernel costs host launch time on a GPU: docs/performance.md)."""
-        deferred, self.step.deferred = self.step.deferred, []
+    def take(self, state: PassState) -> DeferredRouting | None:
+        """The routing ``state``'s pass deferred, as the layers' chosen expert ids in one
+        lazy array; evaluate ``ids`` with the pass and ``count`` it then: reading it back
+        costs one small copy, no device sync. One device op per pass: the histogram is
+        counted on the host (each extra small kernel costs host launch time on a GPU:
+        docs/performance.md)."""
+        deferred, state.deferred = state.deferred, []
         if not deferred:
             return None
         assert self.num_experts > 0, "build_model sets num_experts"

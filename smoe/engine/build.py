@@ -48,7 +48,7 @@ from smoe.sched.scheduler import ExpertScheduler
 
 
 @dataclasses.dataclass(frozen=True)
-class Parts:
+class EngineParts:
     """What an open engine is made of. Each part keeps its own thread rules (its module's
     docstring); ``ranks`` is None when one process computes every expert."""
 
@@ -72,7 +72,7 @@ async def open_parts(
     tracer: Tracer,
     lock: asyncio.Lock,
     stack: contextlib.AsyncExitStack,
-) -> Parts:
+) -> EngineParts:
     """Start every part for ``vault`` (a Vault, or a Source run as one) as ``plan`` says,
     with ``workers`` I/O threads; ``tracer`` is wired to the popularity counts and router
     hints, ``lock`` is the engine's one-job-at-a-time lock. Raises what a part raises
@@ -121,7 +121,7 @@ async def open_parts(
         timeline=runner.timeline,
     )
     stack.push_async_callback(batcher.close)  # the way down starts here: no new step
-    return Parts(
+    return EngineParts(
         compute, ranks, ring, reader, popularity, scheduler, slots, runner, tokenizer, batcher
     )
 
@@ -223,7 +223,7 @@ def wire_to_loop(
     if ranks is not None:
         every_key = None
     if isinstance(ring, StagedRing):
-        committer = _Committer(ring, compute)
+        committer = _CommitOnCompute(ring, compute)
 
         def landed() -> None:  # an I/O thread's call: commit on the loop, soon
             loop.call_soon_threadsafe(committer.soon)
@@ -232,7 +232,7 @@ def wire_to_loop(
     return LoopSlots(scheduler, loop, ring, every_key)
 
 
-class _Committer:
+class _CommitOnCompute:
     """Has the compute thread commit landed records, even when idle: once queued, a
     commit job takes every landing that arrives before it runs. Event loop only."""
 

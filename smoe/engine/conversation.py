@@ -39,7 +39,9 @@ FORMAT = conversation_file.FORMAT
 def vault_fingerprint(engine: Engine) -> str:
     """Identifies the weights a KV cache was computed with (conversation_file)."""
     v = engine.vault
-    return conversation_file.vault_fingerprint(v.manifest.checksums, v.backbone_path, engine.dtype)
+    return conversation_file.vault_fingerprint_of(
+        v.manifest.checksums, v.backbone_path, engine.dtype
+    )
 
 
 REPLY_MARK = "\ue000smoe-reply\ue001"  # private-use characters: no template writes them
@@ -286,7 +288,9 @@ class Conversation:
             meta["cached"] = str(seq.cached if seq is not None else 0)
             meta["reply_end"] = json.dumps(self._reply_end)
             cache = seq.cache if seq is not None else self.engine.runner.new_cache()
-            meta["digest"] = conversation_file.digest(meta, conversation_file.cache_arrays(cache))
+            meta["digest"] = conversation_file.conversation_digest(
+                meta, conversation_file.cache_arrays(cache)
+            )
             try:
                 save_prompt_cache(str(tmp), cache, meta)
             except RuntimeError as e:  # how mlx reports a file it cannot write

@@ -26,7 +26,7 @@ FORMAT_1 = "smoe-conversation-1"  # before the digest: its fields are checked, n
 FIELDS = ("format", "vault", "model_type", "system", "messages", "kv_bits", "tokens", "cached")
 
 
-def vault_fingerprint(checksums: Any, backbone: Path, dtype: Any) -> str:
+def vault_fingerprint_of(checksums: Any, backbone: Path, dtype: Any) -> str:
     """Identifies the weights a KV cache was computed with: the records' checksums, the
     backbone file's first 4 KiB (its header: names, shapes, dtypes) and the compute dtype.
     Reads 4 KiB of the backbone, not all of it."""
@@ -37,7 +37,7 @@ def vault_fingerprint(checksums: Any, backbone: Path, dtype: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def digest(meta: dict[str, str], arrays: list[Any]) -> str:
+def conversation_digest(meta: dict[str, str], arrays: list[Any]) -> str:
     """xxh3-128 over the metadata fields (not ``digest``) and the arrays' bytes."""
     import mlx.core as mx
     import numpy as np
@@ -90,7 +90,7 @@ def check(meta: dict[str, str], cache: list[Any], path: Path, vocab: int) -> Sav
     missing = [k for k in needed if k not in meta]
     if missing:
         raise SmoeError(f"{path} lacks {', '.join(missing)}: not a whole conversation file")
-    if "digest" in needed and meta["digest"] != digest(meta, cache_arrays(cache)):
+    if "digest" in needed and meta["digest"] != conversation_digest(meta, cache_arrays(cache)):
         raise SmoeError(
             f"{path} does not match its checksum: its history or KV cache changed since it "
             "was saved (a damaged disk or an edit); it cannot be trusted"

@@ -29,7 +29,7 @@ from smoe.compute.runner import Runner, SamplingParams, Sequence_
 from smoe.compute.tracing import Tracer
 from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Ticket
-from smoe.engine.build import Parts, open_parts
+from smoe.engine.build import EngineParts, open_parts
 from smoe.engine.events import Event, GenerationStats
 from smoe.engine.group import Group
 from smoe.engine.handles import SequenceHandle
@@ -82,7 +82,7 @@ class Engine:
         self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
         self._lock = asyncio.Lock()  # one job at a time on the compute thread
         self._opened = False
-        self._parts: Parts | None = None  # the parts, while open (smoe.engine.build)
+        self._parts: EngineParts | None = None  # the parts, while open (smoe.engine.build)
         self._group: Group | None = None  # collectives and leading, while open
         self._stack = contextlib.AsyncExitStack()  # every part's way down (``aclose``)
         self._plan: Plan | None = None
@@ -207,7 +207,7 @@ class Engine:
                 mx.clear_cache()
 
     # ---------------------------------------------------------------- parts
-    def _open_parts(self) -> Parts:
+    def _open_parts(self) -> EngineParts:
         if self._parts is None:
             raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
         return self._parts
@@ -433,7 +433,6 @@ class Engine:
     def stop_recording(self) -> Any:
         """Stop recording; return the RoutingArchive (None if not recording)."""
         recorder, self.tracer.observers.recorder = self.tracer.observers.recorder, None
-        self.tracer.step.gates.clear()
         if recorder is None:
             return None
         return recorder.archive(

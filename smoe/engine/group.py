@@ -21,7 +21,7 @@ from smoe.errors import SmoeError
 from smoe.parallel.doorbell import Bell, Door, rank0_address
 
 if TYPE_CHECKING:
-    from smoe.engine.build import Parts
+    from smoe.engine.build import EngineParts
 
 # Engine.point: a sequence (or a new one) pointed at a prompt, and the tokens to prefill.
 Point = Callable[[Sequence_ | None, list[int], SamplingParams], tuple[Sequence_, int]]
@@ -32,7 +32,7 @@ class Group:
 
     def __init__(
         self,
-        parts: Parts,
+        parts: EngineParts,
         num_records: int,
         lock: asyncio.Lock,
         point: Point,

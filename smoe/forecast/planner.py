@@ -26,10 +26,10 @@ from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
 from smoe.plan.budget import (
     KV_STEP,
     Attention,
-    Parts,
+    BudgetParts,
     backbone_bytes,
+    budget_parts_for,
     fit,
-    parts,
     pick_context,
     suggest_at_least,
 )
@@ -143,7 +143,7 @@ def _runnable(vault: Any, kind: str, popularity: Any) -> Subject:
 
 def _needs(
     subject: Subject, o: PlanOptions, dtype: Any, kind: str, context: int, device: Device
-) -> Parts:
+) -> BudgetParts:
     """What the engine would budget beside the ring: the engine's own arithmetic
     (smoe.plan.ring.budget_parts) where there is something it can open, else the same parts
     for the vault `smoe convert` would make."""
@@ -153,7 +153,7 @@ def _needs(
         )
     dsize = int(dtype.size)
     landing = 2 * o.io_workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
-    return parts(
+    return budget_parts_for(
         subject.config,
         subject.backbone(dsize),
         dsize,

@@ -217,7 +217,7 @@ def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: 
 
 
 @dataclass(frozen=True)
-class Parts:
+class BudgetParts:
     """The budget's parts beside the ring (bytes), for one model, device and options."""
 
     backbone: int
@@ -232,7 +232,7 @@ class Parts:
         return self.backbone + self.kv + self.working
 
 
-def parts(
+def budget_parts_for(
     config: dict[str, Any],
     backbone: int,
     dsize: int,
@@ -243,7 +243,7 @@ def parts(
     prefill_chunk: int = 64,
     landing: int = 0,
     device_memory: bool = False,
-) -> Parts:
+) -> BudgetParts:
     """Backbone (its in-memory bytes, ``backbone_bytes``), KV for ``sequences`` sequences
     at ``context`` tokens (None or beyond the model's: the model's max), and working
     memory, plus ``landing`` bytes of host buffers (a staged ring's). ``device_memory``: a
@@ -254,7 +254,7 @@ def parts(
     if device_memory:
         working -= RUNTIME_BYTES
     kv = kv_bytes(attn, dsize, context, sequences, kv_bits)
-    return Parts(backbone, kv, working, context, sequences, kv_bits)
+    return BudgetParts(backbone, kv, working, context, sequences, kv_bits)
 
 
 @dataclass(frozen=True)
@@ -321,7 +321,7 @@ def suggest_at_least(nbytes: int) -> str:
 
 
 def fit(
-    memory: int | str, needs: Parts, *, slot_bytes: int, min_slots: int, num_records: int
+    memory: int | str, needs: BudgetParts, *, slot_bytes: int, min_slots: int, num_records: int
 ) -> Fit:
     """The ring a budget of ``memory`` leaves beside ``needs``, in whole slots (at most
     every expert). Raises SmoeError naming the smallest budget that works (``min_slots``

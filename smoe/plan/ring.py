@@ -24,7 +24,15 @@ from smoe.io.open import reader_host_bytes
 from smoe.io.ring import needs_conversion, slots_for_budget
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
-from smoe.plan.budget import Attention, Fit, Parts, backbone_bytes, fit, kv_bytes, parts
+from smoe.plan.budget import (
+    Attention,
+    BudgetParts,
+    Fit,
+    backbone_bytes,
+    budget_parts_for,
+    fit,
+    kv_bytes,
+)
 from smoe.plan.memory import available_memory
 from smoe.util.sizes import format_bytes
 from smoe.vault.format import Vault
@@ -177,8 +185,8 @@ def budget_parts(
     kv_bits: int | None = None,
     prefill_chunk: int = 64,
     workers: int = 4,
-) -> Parts:
-    """The budget's parts beside the ring (smoe.plan.budget.parts) for this vault: its
+) -> BudgetParts:
+    """The budget's parts beside the ring (smoe.plan.budget.budget_parts_for) for this vault: its
     backbone as loaded, a staged ring's host landing buffers (2 per worker), and, for a
     model run from its shards, the reader's bounce buffers (host memory, so not in a
     discrete GPU's budget)."""
@@ -186,7 +194,7 @@ def budget_parts(
     landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
     if not discrete:  # a download's reader keeps bounce buffers (host memory)
         landing += reader_host_bytes(vault, workers)
-    return parts(
+    return budget_parts_for(
         vault.config(),
         backbone_bytes(vault.backbone_header(), dsize),
         dsize,

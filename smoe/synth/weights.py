@@ -177,7 +177,7 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def safetensors_header(specs: list[TensorSpec]) -> bytes:
+def encode_safetensors_header(specs: list[TensorSpec]) -> bytes:
     """8-byte little-endian length + JSON header, padded with spaces to 8 bytes like safetensors."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -238,7 +238,7 @@ def write_shards(
         for k, shard in enumerate(shards):
             name = shard_name(k, len(shards))
             with open(directory / name, "wb") as f:
-                f.write(safetensors_header(shard))
+                f.write(encode_safetensors_header(shard))
                 while j < len(items) and items[j][0] == k:
                     if j + ahead < len(items):
                         submit(j + ahead)

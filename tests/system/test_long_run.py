@@ -45,6 +45,5 @@ async def test_two_thousand_decode_steps_hold_bounded_traces_and_flat_memory(tmp
         after = rss_bytes()
         tracer = engine.debug.tracer
         assert len(tracer.counters.calls) == 1000 < 2000 * layers  # the oldest were dropped
-        assert not tracer.step.deferred and len(tracer.step.gates) <= layers
-        assert len(tracer.step.predicted) <= layers
+        assert not hasattr(tracer, "step")  # a pass's state ends with it (forward_pass)
     assert after <= warm * 1.05, (warm, after)

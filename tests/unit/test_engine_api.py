@@ -267,6 +267,7 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
     import mlx.core as mx
 
     from smoe.compute.runner import SamplingParams
+    from smoe.compute.tracing import forward_pass
     from smoe.sched.types import Priority
 
     async def decode_logits(engine):
@@ -277,8 +278,8 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
         for _ in range(12):
 
             def one():
-                engine.debug.runner._phase(1)
-                y = engine.debug.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
+                with forward_pass(1):  # a decode pass: bets are placed in decode only
+                    y = engine.debug.runner.model(mx.array(seq.tokens[-1:])[None], cache=seq.cache)
                 out = np.array(y[0, -1])
                 seq.tokens.append(int(out.argmax()))
                 return out
