@@ -42,7 +42,7 @@ async def _generate(args: argparse.Namespace) -> int:
     # One sequence: the memory budget keeps KV room for one (smoe.plan.budget).
     vault = resolve_model(args.vault, download=args.download)  # a folder, or a Hub name
     async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
-        quiet = engine.ranks is not None and engine.ranks.rank != 0  # rank 0 talks to the user
+        quiet = not engine.speaks  # rank 0 talks to the user
         prompt, templated = _generate_prompt(engine, text, args)
         _say_memory(engine, quiet)
         if engine.ranks is not None and args.temp > 0 and args.seed is None:
@@ -185,7 +185,7 @@ async def _chat(args: argparse.Namespace) -> int:
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     _check_sampling(temperature, top_p, args.max_tokens)  # before loading, not every turn
     async with Engine.open(vault, **_engine_options(args), max_batch=1) as engine:
-        _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
+        _say_memory(engine, not engine.speaks)
         if await _follow_rank0(engine):
             return 0
         print(
@@ -301,7 +301,7 @@ async def _serve(args: argparse.Namespace) -> int:
         cached_bytes=parse_size(args.prefix_cache),
     )
     async with Engine.open(vault, **_engine_options(args), max_batch=args.max_batch) as engine:
-        _say_memory(engine, engine.ranks is not None and engine.ranks.rank != 0)
+        _say_memory(engine, not engine.speaks)
         if await _follow_rank0(engine):
             return 0
         await _warm_up(engine, args)

@@ -258,6 +258,12 @@ class Engine:
         return self._parts.ranks if self._parts is not None else None
 
     @property
+    def speaks(self) -> bool:
+        """Whether this process talks to the user: one process, or rank 0 of several
+        (the other ranks run the same requests silently)."""
+        return self.ranks is None or self.ranks.rank == 0
+
+    @property
     def leader(self) -> Leader | None:
         """Rank 0 announcing its requests to the others (``lead``), or None."""
         return self._group.leader if self._group is not None else None
