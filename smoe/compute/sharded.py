@@ -63,3 +63,7 @@ class ShardedSlots:
 
     def count_resident(self, unique_experts: int) -> None:
         self._source.count_resident(unique_experts)
+
+    @property
+    def wait_seconds(self) -> float:
+        return float(self._source.wait_seconds)

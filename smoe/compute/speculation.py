@@ -95,13 +95,7 @@ def look_ahead(
         return
     recorder = tracer.observers.recorder
     out = ahead if ahead is not None else tracer.routers[nxt](x)
-    if isinstance(out, tuple):  # a router that selects itself: (indices, scores)
-        ranked = np.array(out[0]).reshape(-1, k)  # [B, k], its own order
-    else:
-        logits = np.array(out.astype(mx.float32))
-        logits = logits.reshape(-1, logits.shape[-1])  # [B, E]
-        depth = max(k, recorder.depth if recorder is not None else k)
-        ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]  # [B, depth]
+    ranked = _ranked(out, k, max(k, recorder.depth if recorder is not None else k))
     if recorder is not None:
         recorder.record_ahead(nxt, ranked)
     if not prefetch:
@@ -109,6 +103,29 @@ def look_ahead(
     top = np.unique(ranked[:, :k]).tolist()  # a batched step: the union of the rows' guesses
     current_pass().predicted[nxt] = set(top)
     source.prefetch(nxt, top)
+
+
+def _ranked(out: Any, k: int, depth: int) -> np.ndarray:
+    """[B, depth] expert ids by descending router score from a router's output ``out``
+    (logits [..., E]; or (indices, scores) from a router that selects itself: then its
+    own top-k order, [B, k])."""
+    if isinstance(out, tuple):
+        return np.array(out[0]).reshape(-1, k)
+    logits = np.array(out.astype(mx.float32))
+    logits = logits.reshape(-1, logits.shape[-1])  # [B, E]
+    return np.argsort(-logits, axis=-1, kind="stable")[:, :depth]
+
+
+def next_layer_guess(
+    tracer: Tracer, layer: int, ahead: Any, k: int
+) -> tuple[int, list[int]] | None:
+    """A prefill chunk's guess at the next MoE layer's experts: that layer and the union
+    of each row's top-k under its router on this layer's input (``ahead``,
+    ``router_ahead``'s output, evaluated). None where there is no next MoE layer."""
+    nxt = tracer.next_layer.get(layer)
+    if nxt is None or ahead is None:
+        return None
+    return nxt, np.unique(_ranked(ahead, k, k)).tolist()
 
 
 def bet_on_next_token(

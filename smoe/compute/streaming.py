@@ -10,6 +10,7 @@ ids. The block then combines the outputs exactly as it would in memory.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -20,9 +21,15 @@ import numpy as np
 
 from smoe.compute.sharded import ExpertShard
 from smoe.compute.solo_rows import KernelRules, expert_call, reference_rows_of
-from smoe.compute.speculation import bet_on_next_token, gate_ranking, look_ahead, router_ahead
+from smoe.compute.speculation import (
+    bet_on_next_token,
+    gate_ranking,
+    look_ahead,
+    next_layer_guess,
+    router_ahead,
+)
 from smoe.compute.switch import CallAssembly
-from smoe.compute.tracing import LayerTrace, Tracer, current_pass
+from smoe.compute.tracing import LayerTrace, Tracer, WaveTime, current_pass
 from smoe.sched.hints import runner_ups
 
 
@@ -84,6 +91,11 @@ class SlotSource(Protocol):
 
     def count_resident(self, unique_experts: int) -> None:
         """Count experts served by resident tables (hits the scheduler never saw)."""
+        ...
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the compute thread has spent blocked on this source so far."""
         ...
 
 
@@ -154,27 +166,41 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             bank, table = resident
             ref = reference_rows_of(indices.size, indices.shape[-1])
             return expert_call(self._inners[bank], x, table[indices], self._rules, ref)
+        start, waited = time.perf_counter(), self._source.wait_seconds
         ahead = self._router_ahead(tracer, x)
         if ahead is not None:
             mx.eval(indices, ahead)  # one round trip for the routing and the lookahead's
         idx = np.array(indices)  # evaluates the routing from the true hidden state
+        routed = time.perf_counter()
         seen = self._observe(idx) if tracer is not None else _Seen()
         seen.ahead = ahead
         experts = np.unique(idx).tolist()
         capacity = self._source.capacity()
         ref = reference_rows_of(idx.size, idx.shape[-1])  # rows of the call judged against
-        in_ring = 0
+        in_ring, wave_times = 0, list[WaveTime]()
         if len(experts) <= capacity:
             run = self._run_overlapped if self.overlap else self._run_whole
-            y, in_ring = run(x, idx, experts, ref)
-            waves = 1
-        else:
-            y, waves = self._run_in_waves(x, idx, experts, capacity, ref)
-        if tracer is not None:
-            self._after(tracer, x, idx, seen)
-            tracer.counters.calls.append(
-                LayerTrace(self.layer, int(np.prod(idx.shape[:-1])), len(experts), waves, in_ring)
+            y, in_ring = run(
+                x, idx, experts, ref, self._prefill_ahead(tracer, ahead, idx, capacity)
             )
+        else:
+            y, wave_times = self._run_in_waves(x, idx, experts, capacity, ref)
+        if tracer is not None:
+            done = time.perf_counter()
+            self._after(tracer, x, idx, seen)
+            trace = LayerTrace(
+                self.layer,
+                int(np.prod(idx.shape[:-1])),
+                len(experts),
+                max(1, len(wave_times)),
+                in_ring,
+                phase=current_pass().phase,
+                route_s=routed - start,
+                wait_s=self._source.wait_seconds - waited,
+                seconds=done - start,
+                wave_times=wave_times,
+            )
+            tracer.counters.calls.append(trace)
             tracer.counters.unique_experts += len(experts)
         return y
 
@@ -193,7 +219,8 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         if not self.overlap and mine and len(mine) <= capacity:
             y = self._whole_share(x, idx, mine, ref)
         if y is None:
-            y, waves = self._run_in_waves(x, idx, mine, capacity, ref)
+            y, wave_times = self._run_in_waves(x, idx, mine, capacity, ref)
+            waves = max(1, len(wave_times))
         try:
             y = self._shard.reduce(y)
             mx.eval(y)
@@ -274,29 +301,61 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             look_ahead(tracer, self._source, self.layer, x, idx, looking, seen.ahead)
 
     def _router_ahead(self, tracer: Tracer | None, x: mx.array) -> Any:
-        """The lookahead's router output for ``x`` (lazy), where ``_after`` will use it."""
-        if tracer is None or not (
-            (tracer.lookahead and current_pass().phase == 1)
-            or tracer.observers.recorder is not None
-        ):
+        """The lookahead's router output for ``x`` (lazy), where ``_after`` (decode, the
+        archive) or ``_prefill_ahead`` will use it."""
+        if tracer is None or not (tracer.lookahead or tracer.observers.recorder is not None):
             return None
         return router_ahead(tracer, self.layer, x)
 
+    def _prefill_ahead(
+        self, tracer: Tracer | None, ahead: Any, idx: np.ndarray, capacity: int
+    ) -> Callable[[], None] | None:
+        """In a prefill chunk, the prefetch of the next MoE layer's guessed experts, to
+        queue once this layer's own reads are (so they read while this layer computes,
+        behind its demand). Only where both layers fit the ring at once: a smaller ring
+        would evict what this layer still needs. None: nothing to queue."""
+        if tracer is None or not tracer.lookahead or current_pass().phase != 0:
+            return None
+        guess = next_layer_guess(tracer, self.layer, ahead, idx.shape[-1])
+        if guess is None or len(np.unique(idx)) + len(guess[1]) > capacity:
+            return None
+        return functools.partial(self._source.prefetch, *guess)
+
     def _run(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int, sort: bool = False
+        self,
+        x: mx.array,
+        idx: np.ndarray,
+        experts: list[int],
+        ref: int,
+        sort: bool = False,
+        times: list[WaveTime] | None = None,
     ) -> mx.array:
+        """One wave: pin ``experts`` once READY, compute, release (timed into ``times``)."""
+        start = time.perf_counter()
         slots = self._source.acquire(self.layer, experts)
         try:
-            return self._compute(x, idx, experts, slots, ref, sort)
+            ready = time.perf_counter()
+            y = self._compute(x, idx, experts, slots, ref, sort)
+            if times is not None:
+                times.append(WaveTime(len(experts), ready - start, time.perf_counter() - ready))
+            return y
         finally:
             self._source.release(slots)
 
     def _run_whole(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int
+        self,
+        x: mx.array,
+        idx: np.ndarray,
+        experts: list[int],
+        ref: int,
+        then: Callable[[], None] | None = None,
     ) -> tuple[mx.array, int]:
-        """Wait for every expert of the layer, then compute them in one call."""
+        """Wait for every expert of the layer, then compute them in one call. ``then``:
+        called once the reads are queued (the prefill's lookahead)."""
         lease = self._source.reserve(self.layer, experts)
         try:
+            if then is not None:
+                then()
             resident = int(sum(lease.ready))
             lease.wait()
             return self._compute(x, idx, experts, lease.slots, ref), resident
@@ -304,13 +363,20 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             lease.release()  # the one release, also when a read failed
 
     def _run_overlapped(
-        self, x: mx.array, idx: np.ndarray, experts: list[int], ref: int
+        self,
+        x: mx.array,
+        idx: np.ndarray,
+        experts: list[int],
+        ref: int,
+        then: Callable[[], None] | None = None,
     ) -> tuple[mx.array, int]:
         """Compute each expert as soon as its slot is READY: the resident ones at once,
         the misses in the order their reads complete. Returns the output and how many
-        experts were resident."""
+        experts were resident. ``then``: as ``_run_whole``."""
         lease = self._source.reserve(self.layer, experts)
         try:
+            if then is not None:
+                then()
             resident = int(sum(lease.ready))
             if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots, ref), resident
@@ -381,9 +447,10 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
 
     def _run_in_waves(
         self, x: mx.array, idx: np.ndarray, experts: list[int], capacity: int, ref: int
-    ) -> tuple[mx.array, int]:
+    ) -> tuple[mx.array, list[WaveTime]]:
         """Run ``experts`` in waves of at most ``capacity`` (the union does not fit the
-        ring, or a rank computes its share of the call).
+        ring, or a rank computes its share of the call); return the output and each
+        wave's times.
 
         Each wave computes exactly the (token, rank) pairs routed to its experts, one row
         per pair; the outputs are put back at their (token, rank) position, so the block's
@@ -391,11 +458,13 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         experts (a rank that owns none of the call's): exact zeros [..., k, D].
         """
         if not experts:
-            return mx.zeros((*idx.shape, x.shape[-1]), x.dtype), 0
+            return mx.zeros((*idx.shape, x.shape[-1]), x.dtype), []
         parts = CallAssembly(x, idx)
-        waves = 0
+        times: list[WaveTime] = []
         for start in range(0, len(experts), capacity):
             wave = experts[start : start + capacity]
-            parts.add(wave, functools.partial(self._run, experts=wave, ref=ref, sort=parts.sorted))
-            waves += 1
-        return parts.result(), waves
+            run = functools.partial(
+                self._run, experts=wave, ref=ref, sort=parts.sorted, times=times
+            )
+            parts.add(wave, run)
+        return parts.result(), times

@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from smoe.compute import cpu_split
 from smoe.errors import VaultError
 
 
@@ -124,22 +123,6 @@ def switch_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) -
     return sl._scatter_unsort(x, inv_order, indices.shape).squeeze(-2)
 
 
-# A call on the CPU from this many (token) rows up is split over the cores: MLX runs each
-# stream's ops on a thread of its own, and its CPU kernels use one core each (measured:
-# bench/cpu_expert_matmul.py, 1.99x on 2 cores, bits unchanged).
-CPU_SPLIT_FROM = 32
-_local = threading.local()  # MLX streams belong to the thread that made them
-
-
-def cpu_streams() -> list[Any]:
-    """One MLX CPU stream per core (at most 8), made once per thread."""
-    streams: list[Any] | None = getattr(_local, "cpu_streams", None)
-    if streams is None:
-        n = max(1, min(os.cpu_count() or 1, 8))
-        streams = _local.cpu_streams = [mx.new_stream(mx.cpu) for _ in range(n)]
-    return streams
-
-
 def split_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) -> mx.array:
     """``switch_call`` with its rows split over the CPU's cores where the call is on the
     CPU and large (a prefill chunk): each share runs on its own stream, and the shares'
@@ -152,16 +135,14 @@ def split_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) ->
     rows = 1
     for n in lead:
         rows *= n
-    streams = cpu_streams()
-    if rows < CPU_SPLIT_FROM or len(streams) < 2 or mx.default_device() != mx.cpu:
+    bounds = cpu_split.share_bounds(rows)
+    if bounds is None:
         return switch_call(module, x, indices, sort)
     sort = sort or indices.size >= SORT_FROM  # the whole call's choice, for every share
     flat_x = x.reshape(rows, x.shape[-1])  # [R, D]
     flat_idx = indices.reshape(rows, k)  # [R, k]
-    shares = min(len(streams), rows // (CPU_SPLIT_FROM // 2))
-    bounds = [rows * i // shares for i in range(shares + 1)]
     outs = []
-    for stream, lo, hi in zip(streams, bounds, bounds[1:], strict=False):
+    for stream, lo, hi in zip(cpu_split.cpu_streams(), bounds, bounds[1:], strict=False):
         with mx.stream(stream):
             outs.append(switch_call(module, flat_x[lo:hi], flat_idx[lo:hi], sort))  # [r, k, D]
     return mx.concatenate(outs, axis=0).reshape(*lead, k, -1)

@@ -28,14 +28,30 @@ import numpy as np
 
 
 @dataclass
+class WaveTime:
+    """One wave of a streamed call whose experts did not fit the ring at once."""
+
+    experts: int
+    wait_s: float  # blocked until its slots were READY (reads)
+    compute_s: float  # its expert matmuls, evaluated
+
+
+@dataclass
 class LayerTrace:
-    """What one streamed MoE call did (for statistics and tests)."""
+    """What one streamed MoE call did (statistics, tests, the prefill timeline). Times
+    are host wall seconds on the compute thread; zero where the call was not timed
+    (routing counted after a pass served from resident tables)."""
 
     layer: int
     tokens: int
     unique_experts: int
     waves: int
     resident: int = 0  # experts already READY when asked for (computed while misses load)
+    phase: int = 0  # 0 prefill, 1 decode
+    route_s: float = 0.0  # evaluating the routing: the layer's attention and router
+    wait_s: float = 0.0  # blocked on reads of its experts
+    seconds: float = 0.0  # the whole call, routing included
+    wave_times: list[WaveTime] = field(default_factory=list)  # when waves > 1
 
 
 # The newest MoE calls a Tracer keeps (tests and benchmarks read them); a server running

@@ -266,9 +266,11 @@ def build_runner(
     """The model over the ring and its Runner (on the compute thread)."""
     import mlx.core as mx
 
+    from smoe.compute.cpu_split import install_row_split
     from smoe.compute.model import build_model, moe_routers
     from smoe.compute.rowwise import RowwiseAttention, install_rowwise_attention
     from smoe.compute.solo_rows import install_row_pieces, with_float_kernel
+    from smoe.compute.speculation import RouterTap
     from smoe.compute.streaming import StreamingExperts
 
     mx.set_default_device(plan.mlx_device)  # the compute thread's MLX work
@@ -284,6 +286,8 @@ def build_runner(
 
         install_row_pieces(model, skip, moe_routers(model, vault))
         rules = with_float_kernel(rules, model)
+    if plan.mlx_device == mx.cpu:  # a prefill chunk's projections over every core
+        install_row_split(model, lambda path, parent: isinstance(parent, RouterTap))
     layers = len(vault.manifest.layers)
     o = options
     return Runner(
