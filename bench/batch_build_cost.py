@@ -12,7 +12,6 @@ rules (``sample_ms``: one greedy draw read back per row, as a step not built ahe
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import re
@@ -20,6 +19,7 @@ import statistics
 import sys
 import time
 
+import harness
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
@@ -29,7 +29,6 @@ from smoe.compute.rowwise import RowCaches
 from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, solo_rows
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
@@ -88,9 +87,9 @@ def build_times(runner, rows: list[int], repeats: int, opened) -> list[dict]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--device", default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.device(p)
     p.add_argument("--rows", default="1,2,4,8")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
@@ -101,18 +100,9 @@ async def main() -> None:
         runs = await engine.compute.run(
             build_times, engine.runner, rows, args.repeats, engine.rules
         )
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "batch_build_cost",
-                    "vault": args.vault,
-                    "device": args.device,
-                    "runs": runs,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {"benchmark": "batch_build_cost", "vault": args.vault, "device": args.device, "runs": runs},
+        args,
     )
 
 

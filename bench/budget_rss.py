@@ -12,18 +12,16 @@ reclaims at the limit), OOM kills, and peak RSS minus the budget.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from smoe.util.provenance import stamp
+import harness
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tests.cgroup import limited  # noqa: E402  (the tests' cgroup helper)
+from tests.cgroup import limited  # the tests' cgroup helper
+
+REPO = harness.REPO
 
 PEAK = (
     "import sys\nfrom smoe.cli import main\nrc = main(sys.argv[1:])\n"
@@ -59,14 +57,14 @@ def one(vault: str, memory: int, max_tokens: int, context: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--memory", type=float, action="append", required=True)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.memory(p, type=float, action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-context", type=int, default=512)
     a = p.parse_args()
     runs = [one(a.vault, int(m), a.max_tokens, a.max_context) for m in a.memory]
-    print(json.dumps(stamp({"benchmark": "budget_rss", "vault": a.vault, "runs": runs}), indent=1))
+    harness.report({"benchmark": "budget_rss", "vault": a.vault, "runs": runs}, a)
 
 
 if __name__ == "__main__":

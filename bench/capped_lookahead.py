@@ -19,10 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from smoe.util.provenance import stamp  # noqa: E402
-from tests.cgroup import limited  # noqa: E402  (the tests' cgroup helper)
+import harness
+
+from tests.cgroup import limited  # the tests' cgroup helper
+
+REPO = harness.REPO
 
 PROMPT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "
@@ -95,8 +96,8 @@ def one(vault: str, cap: str, lookahead: bool, a: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--cap", action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-context", type=int, default=512)
@@ -106,11 +107,7 @@ def main() -> None:
         for lookahead in (True, False):
             rows.append(one(a.vault, cap, lookahead, a))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(
-        json.dumps(
-            stamp({"benchmark": "capped_lookahead", "vault": a.vault, "runs": rows}), indent=1
-        )
-    )
+    harness.report({"benchmark": "capped_lookahead", "vault": a.vault, "runs": rows}, a)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from smoe.util.provenance import stamp  # noqa: E402
-from tests.cgroup import limited  # noqa: E402  (the tests' cgroup helper)
+import harness
+
+from tests.cgroup import limited  # the tests' cgroup helper
+
+REPO = harness.REPO
 
 PROMPT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "
@@ -69,12 +70,12 @@ def one(repo: Path, a: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--memory", required=True)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.memory(p, required=True)
     p.add_argument("--cap", required=True, help="the cgroup's limit in bytes")
     p.add_argument("--old", required=True, help="the commit to compare against")
-    p.add_argument("--rounds", type=int, default=2)
+    harness.rounds(p, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-context", type=int, default=512)
     a = p.parse_args()
@@ -107,21 +108,17 @@ def main() -> None:
     for key in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
         o, n = median("old", key), median("new", key)
         ratios[key] = round(n / o, 3) if o and n else None
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "capped_prompt",
-                    "vault": a.vault,
-                    "memory": a.memory,
-                    "cap": a.cap,
-                    "old": a.old,
-                    "runs": runs,
-                    "median_ratio_new_over_old": ratios,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "capped_prompt",
+            "vault": a.vault,
+            "memory": a.memory,
+            "cap": a.cap,
+            "old": a.old,
+            "runs": runs,
+            "median_ratio_new_over_old": ratios,
+        },
+        a,
     )
 
 

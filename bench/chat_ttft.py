@@ -9,17 +9,16 @@ exported) runs a chunk of the follow-up's size after each first turn's cached le
 (median of 5). Prints JSON.
 """
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 
 WORDS = [
     "the",
@@ -109,15 +108,11 @@ def reference_chunk_s(vault: str, cached: list[int], chunk: int) -> list[float]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault", nargs="?", default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p, demo=True)
     p.add_argument("--first", default="100,1000")
     p.add_argument("--reply", type=int, default=16)
-    p.add_argument(
-        "--memory",
-        default=None,
-        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
-    )
+    harness.memory(p, ring=True, default=None)
     p.add_argument("--reference", action="store_true", help="also time mlx-lm in memory")
     args = p.parse_args()
     vault = args.vault
@@ -139,7 +134,7 @@ async def main() -> None:
         ref = reference_chunk_s(vault, cached, runs[0]["second_turn_prefilled_tokens"])
         report["mlx_lm_in_memory_chunk_s"] = dict(zip(map(str, cached), ref, strict=True))
         report["mlx_lm_ratio_long_over_short"] = round(ref[-1] / ref[0], 3)
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, args)
 
 
 if __name__ == "__main__":

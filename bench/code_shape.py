@@ -9,17 +9,13 @@ part (``engine._x``, ``.debug.``). JSON out. docs/architecture.md quotes it.
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from smoe.util.provenance import stamp  # noqa: E402
+import harness
+
+REPO = harness.REPO
 
 PARTS = r"\b(?:engine|eng|e|plain|betting)\.(?:_\w+|scheduler|ring|batcher|runner|compute|tracer|reader)\b"
 
@@ -80,11 +76,11 @@ def shape(rev: str, top: int) -> dict[str, object]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("revs", nargs="+", help="commits to read (e.g. 9d973a1 HEAD)")
     p.add_argument("--top", type=int, default=8, help="largest classes and functions listed")
     a = p.parse_args()
-    print(json.dumps(stamp({"shapes": [shape(r, a.top) for r in a.revs]}), indent=2))
+    harness.report({"shapes": [shape(r, a.top) for r in a.revs]}, a)
 
 
 if __name__ == "__main__":

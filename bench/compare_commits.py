@@ -11,7 +11,6 @@ gives every round's values and the median ratio new / old per figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from smoe.util.provenance import stamp
+import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO
 
 
 def pick(report: Any, path: str) -> list[float]:
@@ -57,15 +56,15 @@ def run_side(tree: Path, args: list[str]) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("old", help="the commit to compare with")
-    ap.add_argument("--rounds", type=int, default=2)
+    harness.rounds(ap, default=2)
     ap.add_argument("--metric", action="append", required=True, help="dotted path, repeatable")
     argv = sys.argv[1:]
-    if "--" not in argv:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])  # first, so that --help answers
+    if cut == len(argv):
         ap.error("give the smoe arguments after --")
-    cut = argv.index("--")
-    a = ap.parse_args(argv[:cut])
     command = argv[cut + 1 :]
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = Path(tmp) / "old"
@@ -98,7 +97,7 @@ def main() -> int:
             if o
         ]
         result[m] = sides | {"median_ratio_new_over_old": round(statistics.median(ratios), 3)}
-    print(json.dumps(stamp(result), indent=1))
+    harness.report(result, a)
     return 0
 
 

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from smoe.util.provenance import stamp
+import harness
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = harness.parser(__doc__)
     p.add_argument("src", type=Path)
     p.add_argument("vault", type=Path)
     p.add_argument(
@@ -47,25 +47,21 @@ def main() -> int:
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     manifest = json.loads((args.vault / "manifest.json").read_text())
     src_bytes = manifest["source"]["bytes"]
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "source": str(args.src),
-                    "source_bytes": src_bytes,
-                    "seconds": round(seconds, 2),
-                    "source_MB_per_s": round(src_bytes / 1e6 / seconds, 1),
-                    "peak_rss_bytes": peak_kib * 1024,
-                    "record_size": manifest["record"]["size"],
-                    "record_stride": manifest["record"]["stride"],
-                    "records": manifest["experts"]["count"],
-                    "experts_bytes": manifest["experts"]["bytes"],
-                    "quantization": manifest["quantization"],
-                    "options": args.convert_args,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "source": str(args.src),
+            "source_bytes": src_bytes,
+            "seconds": round(seconds, 2),
+            "source_MB_per_s": round(src_bytes / 1e6 / seconds, 1),
+            "peak_rss_bytes": peak_kib * 1024,
+            "record_size": manifest["record"]["size"],
+            "record_stride": manifest["record"]["stride"],
+            "records": manifest["experts"]["count"],
+            "experts_bytes": manifest["experts"]["bytes"],
+            "quantization": manifest["quantization"],
+            "options": args.convert_args,
+        },
+        args,
     )
     return 0
 

@@ -11,16 +11,13 @@ GFLOP/s counts 2 flops per multiply-add of the three projections (gate, up, down
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
+import harness
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
-
-from smoe.util.provenance import stamp
 
 
 def layer(hidden: int, inter: int, experts: int) -> SwitchGLU:
@@ -46,13 +43,13 @@ def timed(fn, rounds: int) -> tuple[float, mx.array]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = harness.parser(__doc__)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=3)
+    harness.rounds(p, default=3)
     a = p.parse_args()
     mx.set_default_device(mx.cpu)
     mod = layer(a.hidden, a.inter, a.experts)
@@ -140,7 +137,7 @@ def main() -> None:
         "halves_equal_whole": bool(np.array_equal(np.array(halves), np.array(want))),
         "two_streams_equal_halves": bool(np.array_equal(np.array(got), np.array(halves))),
     }
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, a)
 
 
 if __name__ == "__main__":

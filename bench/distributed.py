@@ -13,7 +13,6 @@ tokens must equal the single process's (checked).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -24,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.util.provenance import stamp
+import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.REPO
 
 
 def _free_port() -> int:
@@ -81,15 +80,15 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("vault", type=Path)
+    ap = harness.parser(__doc__)
+    harness.vault(ap, type=Path)
     ap.add_argument("--slots", type=int, required=True, help="ring slots per rank")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--device", default=None, help="cpu or gpu (default: MLX's)")
+    harness.rounds(ap, default=2)
+    harness.workers(ap, default=4)
+    harness.device(ap)
     ap.add_argument("--backend", default="ring", help="ring, or nccl for one rank per GPU")
     ap.add_argument(
         "--temp",
@@ -111,29 +110,25 @@ def main() -> int:
     solo = runs["1"][0]["tokens"]
     same = all(run["tokens"] == solo for rs in runs.values() for run in rs)
     rates = {n: statistics.median(x["decode_tok_s"] for x in rs) for n, rs in runs.items()}
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "distributed",
-                    "vault": str(a.vault),
-                    "slots_per_rank": a.slots,
-                    "ranks": a.ranks,
-                    "device": a.device or "default",
-                    "backend": a.backend,
-                    "temperature": a.temp,
-                    "tokens": a.tokens,
-                    "same_tokens": same,
-                    "median_decode_tok_s": rates,
-                    "speedup": round(rates[str(a.ranks)] / rates["1"], 3),
-                    "runs": {
-                        n: [{k: v for k, v in x.items() if k != "tokens"} for x in rs]
-                        for n, rs in runs.items()
-                    },
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "distributed",
+            "vault": str(a.vault),
+            "slots_per_rank": a.slots,
+            "ranks": a.ranks,
+            "device": a.device or "default",
+            "backend": a.backend,
+            "temperature": a.temp,
+            "tokens": a.tokens,
+            "same_tokens": same,
+            "median_decode_tok_s": rates,
+            "speedup": round(rates[str(a.ranks)] / rates["1"], 3),
+            "runs": {
+                n: [{k: v for k, v in x.items() if k != "tokens"} for x in rs]
+                for n, rs in runs.items()
+            },
+        },
+        a,
     )
     return 0 if same else 1
 

@@ -12,7 +12,6 @@ round differently from the whole layer's call.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import socket
@@ -21,15 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import harness
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from smoe.engine import Engine
+from smoe.util.loop import run
+from tests.exact.test_engine_exact import engine_decode, engine_generate
 
-from smoe.engine import Engine  # noqa: E402
-from smoe.util.loop import run  # noqa: E402
-from smoe.util.provenance import stamp  # noqa: E402
-from tests.exact.test_engine_exact import engine_decode, engine_generate  # noqa: E402
+ROOT = harness.REPO
 
 
 async def one_process(vault: str, slots: int, device: str | None, prompt: list[int], steps: int):
@@ -45,11 +43,11 @@ def diff(a: np.ndarray, b: np.ndarray) -> dict[str, object]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("vault")
+    ap = harness.parser(__doc__)
+    harness.vault(ap)
     ap.add_argument("--slots", type=int, required=True)
     ap.add_argument("--backend", default="ring")
-    ap.add_argument("--device", default=None)
+    harness.device(ap)
     ap.add_argument("--steps", type=int, default=12)
     a = ap.parse_args()
     prompt = np.random.default_rng(0).integers(2, 250, 70).tolist()
@@ -79,20 +77,16 @@ def main() -> int:
                     "tokens": report["tokens"],
                 }
             )
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "vault": a.vault,
-                    "slots": a.slots,
-                    "backend": a.backend,
-                    "device": a.device,
-                    "tokens": tokens,
-                    "ranks": ranks,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "vault": a.vault,
+            "slots": a.slots,
+            "backend": a.backend,
+            "device": a.device,
+            "tokens": tokens,
+            "ranks": ranks,
+        },
+        a,
     )
     return 0
 

@@ -16,18 +16,18 @@ passes, acceptance, plain steps, switch-offs). ``--ring`` sizes the ring alone, 
 bench`'s budgets do (a share of the experts like 25%, 'all', or a size). Prints JSON.
 """
 
-import argparse
 import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
+import harness
+
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.compute.draft import DraftGovernor, Drafting
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 KJV = Path(__file__).resolve().parent.parent / "tests" / "data" / "kjv_held_out.txt"
@@ -98,10 +98,10 @@ async def one(vault: str, ring: dict, ids: list[int], tokens: int, drafting):
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--ring", default="25%", help="the ring: a share of the experts, or a size")
-    p.add_argument("--device", default=None, choices=["cpu", "gpu"])
+    harness.device(p)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--draft-tokens", type=int, default=4)
@@ -148,7 +148,7 @@ async def main() -> None:
         summary["identical_tokens"] = len(outputs) == 1
         summary["prompt_tokens"] = len(ids)
         report["tasks"][task] = summary
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, args)
 
 
 if __name__ == "__main__":

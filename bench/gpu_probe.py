@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,12 +22,12 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import harness
 import mlx.core as mx
 import numpy as np
 
 from smoe.io.direct_file import open_direct
 from smoe.io.staged import StagedRing
-from smoe.util.provenance import stamp
 from smoe.vault.layout import RecordLayout
 
 Q235 = RecordLayout.build(
@@ -173,9 +172,9 @@ def probe_offsets() -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = harness.parser(__doc__)
     p.add_argument("--dir", type=Path, default=Path("/tmp/smoe-probe"))
-    p.add_argument("--rounds", type=int, default=200)
+    harness.rounds(p, default=200)
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -191,7 +190,7 @@ def main() -> None:
         report[f"commits_{name}"] = probe_commits(args.dir, host, bounce, args.rounds)
         print(json.dumps(report[f"commits_{name}"]), file=sys.stderr, flush=True)
     report["offsets"] = probe_offsets()
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, args)
 
 
 if __name__ == "__main__":

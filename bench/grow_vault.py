@@ -17,9 +17,7 @@ Only for models whose every decoder layer has routed experts (e.g. qwen3_moe).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import json
 import os
 import re
 import shutil
@@ -27,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import mlx.core as mx
 import numpy as np
 
 from smoe.util.files import fsync_path, remove_tree, replace_dir, write_json_atomic
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault, file_checksum
 from smoe.vault.integrity import DEFAULT_ALGORITHM, digest
 from smoe.vault.manifest import ExpertLayer, Manifest
@@ -150,7 +148,7 @@ def grow(src: Vault, out: Path, layers: int, seed: int = 0) -> Vault:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__)
     p.add_argument("src", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--layers", type=int, required=True)
@@ -159,18 +157,15 @@ def main() -> None:
     start = time.perf_counter()
     vault = grow(Vault.open(args.src), args.out, args.layers, args.seed)
     m = vault.manifest
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "vault": str(vault.path),
-                    "layers": len(m.layers),
-                    "records": m.num_records,
-                    "experts_GB": round(m.experts_bytes / 1e9, 2),
-                    "seconds": round(time.perf_counter() - start, 1),
-                }
-            )
-        )
+    harness.report(
+        {
+            "vault": str(vault.path),
+            "layers": len(m.layers),
+            "records": m.num_records,
+            "experts_GB": round(m.experts_bytes / 1e9, 2),
+            "seconds": round(time.perf_counter() - start, 1),
+        },
+        args,
     )
 
 

@@ -7,21 +7,22 @@ beside the streamer, alternating, on one vault. Prints JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
+import sys
+
+import harness
 
 from smoe.bench.io import streamer_run
 from smoe.io.disk_probe import baseline_run, drop_file_cache
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("vault")
-    ap.add_argument("--workers", default="1,8")
+    ap = harness.parser(__doc__)
+    harness.vault(ap)
+    harness.workers(ap, type=str, default="1,8", metavar="N1,N2,...")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--reads", type=int, default=160)
     ap.add_argument("--slots", type=int, default=64)
@@ -49,20 +50,17 @@ def main() -> None:
         row["streamer_vs_ring"] = round(row["streamer"] / row["ring_buffers"], 3)
         row["runs"] = {k: [round(x, 3) for x in v] for k, v in runs.items()}
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "io_landing",
-                    "vault": args.vault,
-                    "slots": args.slots,
-                    "reads": args.reads,
-                    "path": args.path,
-                    "rows": rows,
-                }
-            )
-        )
+        print(json.dumps(row), file=sys.stderr, flush=True)  # progress
+    harness.report(
+        {
+            "benchmark": "io_landing",
+            "vault": args.vault,
+            "slots": args.slots,
+            "reads": args.reads,
+            "path": args.path,
+            "rows": rows,
+        },
+        args,
     )
 
 

@@ -12,17 +12,16 @@ ratios to the float cache of the same round.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from typing import Any
 
+import harness
 import numpy as np
 
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.util.loop import run
-from smoe.util.provenance import stamp
 
 SETTINGS: list[int | None] = [None, 8, 4]
 
@@ -77,16 +76,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--context", type=int, default=1800)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    harness.rounds(p, default=3)
     p.add_argument("--ring", default=None, help="ring size: a share of the experts, all, a size")
-    p.add_argument("--device", default=None)
+    harness.device(p)
     args = p.parse_args(argv)
-    json.dump(stamp(run(main_async(args))), sys.stdout, indent=1)
-    print()
+    harness.report(run(main_async(args)), args)
     return 0
 
 

@@ -13,16 +13,14 @@ locality studies (docs/cache-policy.md, docs/speculation.md). Prints JSON; write
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
+import harness
 import numpy as np
 
 import smoe.util.loop
 from smoe.engine import Engine
 from smoe.telemetry.archive import DECODE, RoutingArchive
-from smoe.util.provenance import stamp
 
 DEFAULT_TEXT = Path(__file__).parent.parent / "tests" / "data" / "kjv_held_out.txt"
 
@@ -44,7 +42,7 @@ def as_decode(archive: RoutingArchive) -> RoutingArchive:
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("out", type=Path)
     ap.add_argument("--vault", default=None)
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
@@ -96,7 +94,7 @@ async def main() -> None:
             "tokens": chats.num_tokens,
             "lookahead_recall": engine.tracer.lookahead_recall,
         }
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, args)
 
 
 if __name__ == "__main__":

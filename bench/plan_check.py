@@ -23,13 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import harness
+
 from smoe.bench.generate import random_prompt
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
 from smoe.forecast.planner import PlanOptions, make_plan, open_subject
 from smoe.forecast.probe import probe_compute
 from smoe.forecast.speed import forecast, routing_probabilities
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 
@@ -176,15 +177,16 @@ def main() -> None:
     if sys.argv[1:2] == ["--table"]:  # render saved reports: --table A.json B.json
         print(table([json.loads(Path(p).read_text()) for p in sys.argv[2:]]))
         return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("vault", type=Path)
-    p.add_argument("--memory", required=True, help="whole-process budgets, comma-separated")
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p, type=Path)
+    harness.memory(p, required=True, metavar="M1,M2,...")
+    harness.device(p)
     p.add_argument("--tokens", type=int, default=24, help="decoded tokens per measured request")
     p.add_argument("--repeats", type=int, default=3, help="measured requests per budget")
-    p.add_argument("--workers", type=int, default=4)
+    harness.workers(p, default=4)
     p.add_argument("--chunks", type=int, default=2, help="prefill chunks per prompt (all runs)")
-    print(json.dumps(stamp(asyncio.run(check(p.parse_args()))), indent=1))
+    args = p.parse_args()
+    harness.report(asyncio.run(check(args)), args)
 
 
 if __name__ == "__main__":

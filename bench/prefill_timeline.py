@@ -31,11 +31,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.capped_prompt import PROMPT  # noqa: E402  (the same text: the same tokens)
-from smoe.util.provenance import stamp  # noqa: E402
-from tests.cgroup import limited  # noqa: E402
+import harness
+
+from bench.capped_prompt import PROMPT  # the same text: the same tokens
+from tests.cgroup import limited
+
+REPO = harness.REPO
 
 
 def thread_cpu() -> dict[str, float]:
@@ -155,31 +156,44 @@ def run_case(name: str, cap: str, memory: str, lookahead: str, a: argparse.Names
     if cap:
         run = limited(argv, int(float(cap)), **kw)
         if run is None:
-            raise SystemExit("cannot create a memory cgroup here (needs root and a memory controller)")
+            raise SystemExit(
+                "cannot create a memory cgroup here (needs root and a memory controller)"
+            )
         result, kills = run.result, run.oom_kills
     else:
         result, kills = subprocess.run(argv, **kw), 0
     head = {"case": name, "cap": cap or None, "memory": memory or None, "lookahead": lookahead}
     if result.returncode != 0:
-        return {**head, "exit": result.returncode, "oom_kills": kills, "error": result.stderr[-800:]}
+        return {
+            **head,
+            "exit": result.returncode,
+            "oom_kills": kills,
+            "error": result.stderr[-800:],
+        }
     return {**head, "oom_kills": kills, **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
 def reference(a: argparse.Namespace, tokens: int) -> dict[str, Any]:
-    """mlx-lm's own prefill of the same weights in memory (no cap), as `smoe bench
-    resident` measures it."""
-    argv = ["smoe", "bench", "resident", a.vault, "--device", "cpu", "--prompt-tokens", str(tokens)]
-    argv += ["--max-tokens", "4", "--json"]
+    """mlx-lm's own prefill of the same weights in memory (no cap), and the engine's with
+    the whole model resident, as `smoe bench resident` measures them (one process)."""
+    argv = ["smoe", "bench", "resident", a.vault, "--device", "cpu"]
+    argv += ["--prompt-tokens", str(tokens), "--max-tokens", "4"]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=str(REPO))
     if r.returncode != 0:
         return {"exit": r.returncode, "error": r.stderr[-800:]}
-    report = json.loads(r.stdout)
-    return {"command": " ".join(argv), "mlx_lm": report.get("mlx_lm", report)}
+    report = json.loads(r.stdout[r.stdout.index("{") :])
+    keep = ("ttft_s", "prefill_tok_s", "decode_tok_s")
+    return {
+        "command": " ".join(argv),
+        "mlx_lm": {k: report["mlx_lm"][k] for k in keep},
+        "engine_resident": {k: report["engine"][k] for k in keep},
+        "tokens_equal": report.get("tokens_equal"),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--case", action="append", default=[], help="NAME:CAP:MEMORY (repeatable)")
     p.add_argument("--lookahead", default="on", help="on, off, or on,off (each case both)")
     p.add_argument("--prefill-chunk", type=int, default=64)
@@ -198,12 +212,18 @@ def main() -> None:
         name, cap, memory = (case.split(":") + ["", ""])[:3]
         for look in a.lookahead.split(","):
             runs.append(run_case(name, cap, memory, look, a))
-            print(json.dumps({k: runs[-1].get(k) for k in ("case", "lookahead", "ttft_s", "prefill_tok_s")}), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {k: runs[-1].get(k) for k in ("case", "lookahead", "ttft_s", "prefill_tok_s")}
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     report: dict[str, Any] = {"benchmark": "prefill_timeline", "vault": a.vault, "runs": runs}
     tokens = next((r["prompt_tokens"] for r in runs if "prompt_tokens" in r), None)
     if a.reference and tokens:
         report["reference_in_memory"] = reference(a, tokens)
-    print(json.dumps(stamp(report), indent=1))
+    harness.report(report, a)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,14 @@ each run, whether it ran resident, and whether the tokens agree.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+
+import harness
 
 import smoe.util.loop
 from smoe.chat.demo import demo_vault
 from smoe.engine import Engine
 from smoe.sched.types import Priority
-from smoe.util.provenance import stamp
 
 
 async def drain(engine: Engine) -> None:
@@ -56,9 +55,9 @@ async def run(vault: str, prewarm: bool, tokens: int) -> dict:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault", nargs="?", default=None)
-    p.add_argument("--rounds", type=int, default=2)
+    p = harness.parser(__doc__)
+    harness.vault(p, demo=True)
+    harness.rounds(p, default=2)
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
     vault = args.vault or str(demo_vault())
@@ -67,18 +66,9 @@ async def main() -> None:
         for prewarm in (False, True) if r % 2 == 0 else (True, False):
             runs.append(await run(vault, prewarm, args.tokens))
     same = len({tuple(run.pop("tokens")) for run in runs}) == 1
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "prewarm_resident",
-                    "vault": vault,
-                    "runs": runs,
-                    "tokens_equal": same,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {"benchmark": "prewarm_resident", "vault": vault, "runs": runs, "tokens_equal": same},
+        args,
     )
 
 

@@ -13,14 +13,13 @@ hand-off and the event loop's. Prints JSON (ms per token per round, medians).
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import re
 import statistics
 import time
 from typing import Any
 
+import harness
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -30,7 +29,6 @@ from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
 from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
@@ -131,11 +129,11 @@ def timed(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--device", default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.device(p)
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=4)
+    harness.rounds(p, default=4)
     args = p.parse_args()
     every = Vault.open(args.vault).manifest.num_records
     rounds = []
@@ -162,22 +160,18 @@ async def main() -> None:
 
         theirs = await engine.compute.run(reference_cost)
     medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "resident_overhead",
-                    "vault": args.vault,
-                    "device": args.device,
-                    "tokens": args.tokens,
-                    "warm_up_round": {k: round(v, 3) for k, v in warm_up.items()},
-                    "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
-                    "median_ms_per_token": medians,
-                    "graph": {"engine": ours, "mlx_lm": theirs},
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "resident_overhead",
+            "vault": args.vault,
+            "device": args.device,
+            "tokens": args.tokens,
+            "warm_up_round": {k: round(v, 3) for k, v in warm_up.items()},
+            "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
+            "median_ms_per_token": medians,
+            "graph": {"engine": ours, "mlx_lm": theirs},
+        },
+        args,
     )
 
 

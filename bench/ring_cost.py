@@ -10,15 +10,14 @@ records in the compute dtype (docs/gpu.md).
 
 from __future__ import annotations
 
-import json
 import time
 
+import harness
 import mlx.core as mx
-
-from smoe.util.provenance import stamp
 
 
 def main() -> None:
+    args = harness.parser(__doc__).parse_args()
     d, o, gs = 2048, 768, 64
     rows = []
     for scales_dtype in (mx.bfloat16, mx.float32):
@@ -52,7 +51,7 @@ def main() -> None:
                     "MB_touched_per_call": round((mx.get_peak_memory() - before) / 1e6, 2),
                 }
             )
-    print(json.dumps(stamp(rows if isinstance(rows, dict) else {"rows": rows}), indent=1))
+    harness.report({"rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ process of their own, off the server's event loop and GIL, as real clients are. 
 the host's build, queue and wait per step, the step's period, and the loop's share).
 """
 
-import argparse
 import asyncio
 import json
 import random
@@ -30,12 +29,12 @@ import time
 from pathlib import Path
 
 import aiohttp
+import harness
 
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
-from smoe.util.provenance import stamp
 
 
 async def stream_one(
@@ -85,16 +84,12 @@ def drive_in_process(
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument(
-        "--memory",
-        default=None,
-        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
-    )
+    harness.memory(p, ring=True, default=None)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--text", default=None, help="prompts cut from this text file")
     p.add_argument("--fill", action="store_true", help="read every expert before timing")
@@ -199,24 +194,20 @@ async def main() -> None:
                 r["vs_single_client"] = round(r["total_tok_s"] / single, 2)
         ring = {"slots": engine.ring.num_slots, "experts": engine.vault.manifest.num_records}
         rules = None if engine.rules is None else engine.rules.measured
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "serve_clients",
-                    "vault": args.vault,
-                    "memory": args.memory,
-                    "ring": ring,
-                    "filled": args.fill,
-                    "kernel_rules": rules,
-                    "max_tokens": args.max_tokens,
-                    "prompt_tokens": args.prompt_tokens,
-                    "client_process": args.client_process,
-                    "runs": rows,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "serve_clients",
+            "vault": args.vault,
+            "memory": args.memory,
+            "ring": ring,
+            "filled": args.fill,
+            "kernel_rules": rules,
+            "max_tokens": args.max_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "client_process": args.client_process,
+            "runs": rows,
+        },
+        args,
     )
 
 

@@ -10,22 +10,20 @@ the first text and to the end (and the least time to the end), the tokens genera
 returned the same reply in every round (they must: the same prompt, greedy).
 """
 
-import argparse
 import asyncio
 import contextlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
+import harness
 
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import ServerOptions, serve
-from smoe.util.provenance import stamp
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -71,9 +69,9 @@ def text_of(api: str, line: bytes) -> str:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--rounds", type=int, default=6)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.rounds(p, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ring", default=None, help="ring size: a share of the experts, all, a size")
     args = p.parse_args()
@@ -121,8 +119,7 @@ async def main() -> None:
             for api in apis
         },
     }
-    json.dump(stamp(result), sys.stdout, indent=2)
-    print()
+    harness.report(result, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ follow-up prefills everything. The two are timed alternately (ABBA) in one run, 
 after the same first request. Streams through HTTP (aiohttp); prints JSON.
 """
 
-import argparse
 import asyncio
 import json
 import random
@@ -20,23 +19,19 @@ import statistics
 import time
 
 import aiohttp
+import harness
 
 import smoe.util.loop
 from smoe.bench.generate import ring_options
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions, serve
-from smoe.util.provenance import stamp
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
+    p = harness.parser(__doc__)
+    harness.vault(p)
     p.add_argument("--history-tokens", type=int, default=300)
-    p.add_argument(
-        "--memory",
-        default=None,
-        help="ring budget: a size (of expert records), a share like 25%%, min, half or all",
-    )
+    harness.memory(p, ring=True, default=None)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     async with Engine.open(args.vault, **ring_options(args.vault, args.memory)) as engine:
@@ -95,26 +90,22 @@ async def main() -> None:
         await http.close()
         task.cancel()
     reuse, fresh = statistics.median(times["reuse"]), statistics.median(times["no_reuse"])
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "serve_prefix",
-                    "vault": args.vault,
-                    "memory": args.memory,
-                    "first_request_prompt_tokens": first_tokens,
-                    "follow_up_prompt_tokens": follow_tokens,
-                    "ttft_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-                    # prompt tokens run before the first token (the last one runs with it)
-                    "prefilled_tokens": prefilled,
-                    "reply_continued": continued,
-                    "median_ttft_reuse_s": round(reuse, 3),
-                    "median_ttft_no_reuse_s": round(fresh, 3),
-                    "speedup": round(fresh / reuse, 2),
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "serve_prefix",
+            "vault": args.vault,
+            "memory": args.memory,
+            "first_request_prompt_tokens": first_tokens,
+            "follow_up_prompt_tokens": follow_tokens,
+            "ttft_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
+            # prompt tokens run before the first token (the last one runs with it)
+            "prefilled_tokens": prefilled,
+            "reply_continued": continued,
+            "median_ttft_reuse_s": round(reuse, 3),
+            "median_ttft_no_reuse_s": round(fresh, 3),
+            "speedup": round(fresh / reuse, 2),
+        },
+        args,
     )
 
 

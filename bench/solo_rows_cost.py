@@ -12,16 +12,16 @@ each run, the median ratio on/off, and whether the tokens agree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
+
+import harness
 
 import smoe.util.loop
 from smoe.bench.generate import random_prompt
 from smoe.bench.resident import fill_ring
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 
 
 async def decode(vault: str, device: str | None, rules: bool | None, prompt, n: int) -> dict:
@@ -48,10 +48,10 @@ async def decode(vault: str, device: str | None, rules: bool | None, prompt, n: 
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("vault")
-    p.add_argument("--device", default=None, choices=["cpu", "gpu"])
-    p.add_argument("--rounds", type=int, default=3)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.device(p)
+    harness.rounds(p, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
     args = p.parse_args()
@@ -71,20 +71,16 @@ async def main() -> None:
         same = same and on.pop("tokens") == off.pop("tokens")
         runs.append({"round": r, "on": on, "off": off})
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "solo_rows_cost",
-                    "vault": args.vault,
-                    "device": args.device,
-                    "runs": runs,
-                    "on_over_off_median": round(statistics.median(ratios), 3),
-                    "tokens_equal": same,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "solo_rows_cost",
+            "vault": args.vault,
+            "device": args.device,
+            "runs": runs,
+            "on_over_off_median": round(statistics.median(ratios), 3),
+            "tokens_equal": same,
+        },
+        args,
     )
 
 

@@ -21,10 +21,8 @@ Source statistics go to a cache under WORKDIR, not to the user's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -32,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import mlx.core as mx
 
 from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
 from smoe.synth import synthesize
-from smoe.util.provenance import stamp
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.format import Vault
 from smoe.vault.source import Source
@@ -199,12 +197,12 @@ async def io_only(src: Path, vault_path: Path, rounds: int) -> dict[str, Any]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__)
     p.add_argument("work", type=Path)
     p.add_argument("--ring", default="1GB", help="the ring's size, the same for both")
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
+    harness.rounds(p, default=3)
     p.add_argument("--layers", type=int, default=2, help="the checkpoint's (when made)")
     p.add_argument("--format", choices=("hf", "mlx4"), default="hf")
     args = p.parse_args()
@@ -247,32 +245,28 @@ async def main() -> None:
     s, v = side(runs["source"]), side(runs["vault"])
     index = Source.open(src).index
     layers = Vault.open(vault).manifest.topology["num_layers"]
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "model": (
-                        f"qwen3_moe, Qwen3-30B-A3B expert geometry, {layers} layers, "
-                        + ("bf16 experts" if args.format == "hf" else "4-bit experts (mlx4)")
-                    ),
-                    "format": args.format,
-                    "device": str(mx.default_device()),
-                    "record_bytes": index.layout.size,
-                    "shards": len(index.files),
-                    "ring": args.ring,
-                    "tokens": args.tokens,
-                    "prompt_tokens": args.prompt_tokens,
-                    "rounds": args.rounds,
-                    "same_tokens": same,
-                    "source": s,
-                    "vault": v,
-                    "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
-                    "io_only": io,
-                    "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
-                }
+    harness.report(
+        {
+            "model": (
+                f"qwen3_moe, Qwen3-30B-A3B expert geometry, {layers} layers, "
+                + ("bf16 experts" if args.format == "hf" else "4-bit experts (mlx4)")
             ),
-            indent=1,
-        )
+            "format": args.format,
+            "device": str(mx.default_device()),
+            "record_bytes": index.layout.size,
+            "shards": len(index.files),
+            "ring": args.ring,
+            "tokens": args.tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "rounds": args.rounds,
+            "same_tokens": same,
+            "source": s,
+            "vault": v,
+            "decode_ratio_source_over_vault": s["decode_tok_s"] / v["decode_tok_s"],
+            "io_only": io,
+            "prefill_ratio_source_over_vault": s["prefill_tok_s"] / v["prefill_tok_s"],
+        },
+        args,
     )
 
 

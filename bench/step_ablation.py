@@ -16,12 +16,11 @@ each row splits a token's host time into build, queue (async_eval) and wait (med
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from typing import Any
 
+import harness
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -30,7 +29,6 @@ from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
 from smoe.compute.runner import Runner, SamplingParams
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
@@ -73,11 +71,11 @@ def bare_loop(model: Any, tracer: Any, tokens: int) -> dict[str, float]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--device", default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.device(p)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    harness.rounds(p, default=3)
     args = p.parse_args()
     every = Vault.open(args.vault).manifest.num_records
     async with Engine.open(args.vault, slots=every, device=args.device) as engine:
@@ -103,20 +101,16 @@ async def main() -> None:
         }
         for name in ways
     }
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "step_ablation",
-                    "vault": args.vault,
-                    "device": args.device,
-                    "tokens": args.tokens,
-                    "rounds": rounds,
-                    "median_ms": medians,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "step_ablation",
+            "vault": args.vault,
+            "device": args.device,
+            "tokens": args.tokens,
+            "rounds": rounds,
+            "median_ms": medians,
+        },
+        args,
     )
 
 

@@ -17,17 +17,16 @@ its own overhead, so compare parts, not the total, with an unprofiled run.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import pstats
 import time
+
+import harness
 
 import smoe.util.loop
 from smoe.bench.generate import random_prompt, ring_options
 from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
-from smoe.util.provenance import stamp
 from smoe.vault.format import Vault
 
 # part -> (file suffix, function name) whose cumulative time it is
@@ -75,10 +74,10 @@ def parts_of(stats: dict, steps: int) -> dict[str, float]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("vault")
-    p.add_argument("--memory", default="100%")
-    p.add_argument("--device", default=None)
+    p = harness.parser(__doc__)
+    harness.vault(p)
+    harness.memory(p, ring=True, default="100%")
+    harness.device(p)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompt-tokens", type=int, default=8)
     args = p.parse_args()
@@ -92,21 +91,17 @@ async def main() -> None:
         wall, stats = await engine.compute.run(profile_steps, engine.runner, second, args.steps)
         resident = engine.runner.resident is not None and engine.runner.resident()
     parts = parts_of(stats, args.steps)
-    print(
-        json.dumps(
-            stamp(
-                {
-                    "benchmark": "step_profile",
-                    "vault": args.vault,
-                    "memory": args.memory,
-                    "device": args.device,
-                    "resident": resident,
-                    "profiled_ms_per_step": round(wall / args.steps * 1e3, 3),
-                    "parts_ms_per_step": parts,
-                }
-            ),
-            indent=1,
-        )
+    harness.report(
+        {
+            "benchmark": "step_profile",
+            "vault": args.vault,
+            "memory": args.memory,
+            "device": args.device,
+            "resident": resident,
+            "profiled_ms_per_step": round(wall / args.steps * 1e3, 3),
+            "parts_ms_per_step": parts,
+        },
+        args,
     )
 
 
