@@ -116,18 +116,6 @@ def _ranked(out: Any, k: int, depth: int) -> np.ndarray:
     return np.argsort(-logits, axis=-1, kind="stable")[:, :depth]
 
 
-def next_layer_guess(
-    tracer: Tracer, layer: int, ahead: Any, k: int
-) -> tuple[int, list[int]] | None:
-    """A prefill chunk's guess at the next MoE layer's experts: that layer and the union
-    of each row's top-k under its router on this layer's input (``ahead``,
-    ``router_ahead``'s output, evaluated). None where there is no next MoE layer."""
-    nxt = tracer.next_layer.get(layer)
-    if nxt is None or ahead is None:
-        return None
-    return nxt, np.unique(_ranked(ahead, k, k)).tolist()
-
-
 def bet_on_next_token(
     tracer: Tracer, source: Any, layer: int, gates: np.ndarray, used: np.ndarray, n: int
 ) -> None:

@@ -25,7 +25,6 @@ from smoe.compute.speculation import (
     bet_on_next_token,
     gate_ranking,
     look_ahead,
-    next_layer_guess,
     router_ahead,
 )
 from smoe.compute.switch import CallAssembly
@@ -180,9 +179,7 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         in_ring, wave_times = 0, list[WaveTime]()
         if len(experts) <= capacity:
             run = self._run_overlapped if self.overlap else self._run_whole
-            y, in_ring = run(
-                x, idx, experts, ref, self._prefill_ahead(tracer, ahead, idx, capacity)
-            )
+            y, in_ring = run(x, idx, experts, ref)
         else:
             y, wave_times = self._run_in_waves(x, idx, experts, capacity, ref)
         if tracer is not None:
@@ -301,25 +298,13 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             look_ahead(tracer, self._source, self.layer, x, idx, looking, seen.ahead)
 
     def _router_ahead(self, tracer: Tracer | None, x: mx.array) -> Any:
-        """The lookahead's router output for ``x`` (lazy), where ``_after`` (decode, the
-        archive) or ``_prefill_ahead`` will use it."""
-        if tracer is None or not (tracer.lookahead or tracer.observers.recorder is not None):
+        """The lookahead's router output for ``x`` (lazy), where ``_after`` will use it."""
+        if tracer is None or not (
+            (tracer.lookahead and current_pass().phase == 1)
+            or tracer.observers.recorder is not None
+        ):
             return None
         return router_ahead(tracer, self.layer, x)
-
-    def _prefill_ahead(
-        self, tracer: Tracer | None, ahead: Any, idx: np.ndarray, capacity: int
-    ) -> Callable[[], None] | None:
-        """In a prefill chunk, the prefetch of the next MoE layer's guessed experts, to
-        queue once this layer's own reads are (so they read while this layer computes,
-        behind its demand). Only where both layers fit the ring at once: a smaller ring
-        would evict what this layer still needs. None: nothing to queue."""
-        if tracer is None or not tracer.lookahead or current_pass().phase != 0:
-            return None
-        guess = next_layer_guess(tracer, self.layer, ahead, idx.shape[-1])
-        if guess is None or len(np.unique(idx)) + len(guess[1]) > capacity:
-            return None
-        return functools.partial(self._source.prefetch, *guess)
 
     def _run(
         self,
@@ -348,14 +333,10 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         idx: np.ndarray,
         experts: list[int],
         ref: int,
-        then: Callable[[], None] | None = None,
     ) -> tuple[mx.array, int]:
-        """Wait for every expert of the layer, then compute them in one call. ``then``:
-        called once the reads are queued (the prefill's lookahead)."""
+        """Wait for every expert of the layer, then compute them in one call."""
         lease = self._source.reserve(self.layer, experts)
         try:
-            if then is not None:
-                then()
             resident = int(sum(lease.ready))
             lease.wait()
             return self._compute(x, idx, experts, lease.slots, ref), resident
@@ -368,15 +349,12 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         idx: np.ndarray,
         experts: list[int],
         ref: int,
-        then: Callable[[], None] | None = None,
     ) -> tuple[mx.array, int]:
         """Compute each expert as soon as its slot is READY: the resident ones at once,
         the misses in the order their reads complete. Returns the output and how many
-        experts were resident. ``then``: as ``_run_whole``."""
+        experts were resident."""
         lease = self._source.reserve(self.layer, experts)
         try:
-            if then is not None:
-                then()
             resident = int(sum(lease.ready))
             if resident == len(experts):
                 return self._compute(x, idx, experts, lease.slots, ref), resident

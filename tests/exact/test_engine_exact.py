@@ -25,7 +25,6 @@ from mlx.utils import tree_flatten
 from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
-from smoe.sched.types import Priority
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
 from smoe.vault.format import Vault
@@ -447,29 +446,6 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
 
 
 @pytest.mark.asyncio
-async def test_prefill_lookahead_reads_the_next_layer_ahead_and_changes_no_bit(quantized):
-    """Where two layers fit the ring, a prefill chunk queues the next layer's guessed
-    experts behind its own demand: they are read while this layer computes, each record
-    still once, and the logits are those of a run without lookahead."""
-    vault, _ = quantized("qwen3_moe")
-    m = vault.manifest
-    prompt = _prompt(150, seed=4)
-    async with Engine.open(vault.path, lookahead=False) as engine:
-        plain = await engine.logits(prompt)
-    stats, traces, calls = await logged_logits(vault, prompt)
-    async with Engine.open(vault.path) as engine:
-        ahead = await engine.logits(prompt)
-        spec = engine.stats().scheduler.by_priority[Priority.SPECULATIVE]
-    assert np.array_equal(plain, ahead)
-    assert spec.reads > 0 and stats.speculative_used > 0
-    keys = {(layer, int(e)) for layer, idx, _ in calls for e in np.unique(idx)}
-    reads = [r for *_, rs in calls for r in rs]
-    assert len(reads) == len(set(reads)), "a record was read twice"
-    assert {m.record_index(*k) for k in keys} <= set(reads)
-    assert all(t.phase == 0 for t in traces)
-
-
-@pytest.mark.asyncio
 async def test_prefill_reads_each_chunks_union_once(quantized):
     """With a top-k ring the prompt's bytes are exactly stride x the sum over (chunk, layer)
     of the chunk's distinct experts, and each streamed call reads exactly its union, each
@@ -494,9 +470,8 @@ async def test_prefill_reads_each_chunks_union_once(quantized):
     for layer, idx, reads in calls:
         assert sorted(reads) == sorted(m.record_index(layer, int(e)) for e in np.unique(idx))
 
-    # Every expert fits: each (layer, expert) the prompt routes to is read exactly once
-    # (demand alone: the prefill's lookahead, which reads ahead here, is the next test's).
-    stats, traces, calls = await logged_logits(vault, prompt, lookahead=False)
+    # Every expert fits: each (layer, expert) the prompt routes to is read exactly once.
+    stats, traces, calls = await logged_logits(vault, prompt)
     keys = {(layer, int(e)) for layer, idx, _ in calls for e in np.unique(idx)}
     reads = [r for *_, rs in calls for r in rs]
     assert sorted(reads) == sorted(m.record_index(*k) for k in keys)
