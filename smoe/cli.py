@@ -105,6 +105,8 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and (code := _with_cpu_blas()) is not None:
+        return code
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -132,6 +134,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args.command == "serve" else 143
     except BrokenPipeError:
         return 1
+
+
+def _with_cpu_blas() -> int | None:
+    """The ``smoe`` command with ``SMOE_CPU_BLAS`` set: re-executed once with that BLAS
+    preloaded (smoe.util.blas; never returns). An exit code for a bad path; None where
+    nothing is to do."""
+    import os
+
+    from smoe.util import blas
+
+    try:
+        again = blas.reexec_args(sys.argv[1:], dict(os.environ))
+    except SmoeError as e:
+        print(f"smoe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if again is None:
+        return None
+    args, env = again
+    os.execve(args[0], args, env)
 
 
 if __name__ == "__main__":

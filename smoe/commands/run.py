@@ -13,6 +13,7 @@ from typing import Any
 from smoe.commands.options import add_device, add_dtype, add_workers
 from smoe.errors import SmoeError
 from smoe.plan.budget import KV_BITS
+from smoe.util import blas
 from smoe.vault.hub import resolve_model
 
 
@@ -54,6 +55,7 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["scheduler"] = now.scheduler.to_json()  # queue waits, read latencies
         stats["ring_slots"] = now.ring.slots
         stats["compute_dtype_note"] = now.compute_dtype_note  # what "equal to mlx-lm" assumes
+        stats["cpu_blas"] = blas.in_use()  # MLX's bundled BLAS, or SMOE_CPU_BLAS's
         stats["ring_bytes"] = now.ring.nbytes
         stats["slot_bytes"] = now.ring.slot_bytes  # the figure inspect and plan print
         if now.draft is not None:
