@@ -2,7 +2,10 @@
 second core helps: the quantized expert matmuls (mlx-lm's SwitchGLU at 4 bits, group 64,
 Qwen3-30B-A3B geometry) for a chunk's (token, expert) pairs, computed on one MLX stream,
 then split over two CPU streams (each stream has its own thread), and the result checked
-bit for bit against the one-stream call (JSON out).
+bit for bit against the one-stream call; then a backbone linear layer of the same model
+(q_proj, hidden -> 2 x hidden) for the chunk, float32 and 4-bit, whole and with its rows
+split over the cores as the engine runs it (smoe.compute.cpu_split), under the BLAS this
+process has (MLX's bundled one, or SMOE_CPU_BLAS / LD_PRELOAD's) (JSON out).
 
     python bench/cpu_expert_matmul.py [--tokens 64] [--experts 128] [--top-k 8] [--rounds 3]
 
@@ -18,6 +21,8 @@ import harness
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
+
+from smoe.util import blas
 
 
 def layer(hidden: int, inter: int, experts: int) -> SwitchGLU:
@@ -40,6 +45,30 @@ def timed(fn, rounds: int) -> tuple[float, mx.array]:
         mx.eval(out)
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
+
+
+def backbone_linears(x: mx.array, hidden: int, rounds: int) -> dict:
+    """q_proj on the chunk [1, T, hidden], float32 and 4-bit: whole, and split by rows over
+    the CPU's streams (cpu_split.split_rows); ms and whether the bits are equal."""
+    import mlx.nn as nn
+
+    from smoe.compute.cpu_split import split_rows
+
+    out = {}
+    for kind in ("float32", "4-bit"):
+        mx.random.seed(1)
+        lin = nn.Linear(hidden, 2 * hidden, bias=False)
+        if kind == "4-bit":
+            lin = nn.QuantizedLinear.from_linear(lin, 64, 4)
+        mx.eval(lin.parameters())
+        whole_s, whole = timed(lambda lin=lin: lin(x), rounds)
+        split_s, split = timed(lambda lin=lin: split_rows(lin, x), rounds)
+        out[kind] = {
+            "whole_ms": round(whole_s * 1e3, 1),
+            "split_ms": round(split_s * 1e3, 1),
+            "split_equal_whole": bool(np.array_equal(np.array(split), np.array(whole))),
+        }
+    return out
 
 
 def main() -> None:
@@ -110,8 +139,11 @@ def main() -> None:
     for _ in range(a.rounds):
         host @ host
     blas_gflops = 2 * 2048**3 * a.rounds / (time.perf_counter() - start) / 1e9
+    linears = backbone_linears(x, a.hidden, a.rounds)
     report = {
         "benchmark": "cpu_expert_matmul",
+        "cpu_blas": blas.in_use(),
+        "backbone_linear": linears,
         "shape": {
             "tokens": a.tokens,
             "top_k": a.top_k,

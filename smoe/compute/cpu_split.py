@@ -8,8 +8,9 @@ test_cpu_split.py at the models' real shapes), so the output is the whole call's
 bit, and equal to mlx-lm's unsplit run of the same weights.
 
 - ``split_rows(fn, x)``: ``fn`` over ``x``'s rows in shares (any row-wise ``fn``).
-- ``RowSplitLinear`` / ``install_row_split``: the backbone's quantized linear layers
-  (attention projections, dense and shared-expert MLPs, the LM head) split this way.
+- ``RowSplitLinear`` / ``install_row_split``: the backbone's linear layers (attention
+  projections, dense and shared-expert MLPs, the LM head) split this way: the quantized
+  ones, and the float ones under MLX's bundled reference BLAS.
   The routed experts are split by ``switch.split_call``.
 Used on the CPU only: on a GPU a row's bits depend on its call's shape (solo_rows.py).
 """
@@ -78,13 +79,22 @@ class RowSplitLinear(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn: 
         return split_rows(self.inner, x)
 
 
-def install_row_split(model: Any, skip: Callable[[str, Any], bool]) -> int:
-    """Wrap every quantized linear layer of ``model`` in ``RowSplitLinear`` unless
-    ``skip(path, parent)``; after the weights are loaded (the wrap changes parameter
-    paths). Returns how many were wrapped. Float linears are left alone: MLX's CPU
-    matmul already uses the cores (measured: no gain from splitting)."""
-    quantized = nn.QuantizedLinear  # type: ignore[attr-defined]  # mlx.nn: untyped
-    found = [(path, m) for path, m in model.named_modules() if isinstance(m, quantized)]
+def install_row_split(model: Any, skip: Callable[[str, Any], bool], floats: bool) -> int:
+    """Wrap the linear layers of ``model`` in ``RowSplitLinear`` unless ``skip(path,
+    parent)``: the quantized ones (MLX's own kernel), and with ``floats`` the float ones
+    too. Call after the weights are loaded (the wrap changes parameter paths). Returns
+    how many were wrapped.
+
+    ``floats``: only under MLX's bundled reference BLAS (smoe.util.blas), whose matmul
+    computes each row alone (measured 1.9x on two cores, bits equal); an optimized BLAS
+    picks its kernels by the row count, so a split would change the bits, and it uses
+    the cores already."""
+    kinds: tuple[type, ...] = (nn.QuantizedLinear,)  # type: ignore[attr-defined]  # mlx.nn: untyped
+    if floats:
+        kinds += (nn.Linear,)  # type: ignore[attr-defined]
+    found: list[tuple[str, Any]] = [
+        (path, m) for path, m in model.named_modules() if isinstance(m, kinds)
+    ]
     wrapped = 0
     for path, module in found:
         parent: Any = model

@@ -272,6 +272,7 @@ def build_runner(
     from smoe.compute.solo_rows import install_row_pieces, with_float_kernel
     from smoe.compute.speculation import RouterTap
     from smoe.compute.streaming import StreamingExperts
+    from smoe.util import blas
 
     mx.set_default_device(plan.mlx_device)  # the compute thread's MLX work
     source, shards = (slots, None) if ranks is None else ranks.shards(slots)
@@ -286,8 +287,9 @@ def build_runner(
 
         install_row_pieces(model, skip, moe_routers(model, vault))
         rules = with_float_kernel(rules, model)
-    if plan.mlx_device == mx.cpu:  # a prefill chunk's projections over every core
-        install_row_split(model, lambda path, parent: isinstance(parent, RouterTap))
+    if plan.mlx_device == mx.cpu and plan.rules is None:  # a chunk's projections, every core
+        floats = blas.in_use() == blas.BUNDLED
+        install_row_split(model, lambda path, parent: isinstance(parent, RouterTap), floats)
     layers = len(vault.manifest.layers)
     o = options
     return Runner(

@@ -13,6 +13,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 import smoe.compute.switch as switch
 from smoe.compute import cpu_split
+from smoe.util import blas
 
 
 @pytest.mark.parametrize("quantized", [True, False], ids=["4-bit", "float"])
@@ -40,12 +41,18 @@ def test_a_split_call_has_the_bits_of_the_whole_call(quantized, tokens, monkeypa
     assert np.array_equal(np.array(got), np.array(want))
 
 
+@pytest.mark.parametrize("bits", [4, None], ids=["4-bit", "float"])
 @pytest.mark.parametrize("tokens", [32, 64, 119])
-def test_a_split_linear_has_the_bits_of_the_whole_call(tokens, monkeypatch):
-    """Qwen3-30B-A3B's q_proj shape (2048 -> 4096), 4-bit, as a prefill chunk runs it."""
+def test_a_split_linear_has_the_bits_of_the_whole_call(tokens, bits, monkeypatch):
+    """Qwen3-30B-A3B's q_proj shape (2048 -> 4096), as a prefill chunk runs it: 4-bit
+    (MLX's kernel), and float under MLX's bundled BLAS (the engine splits it only there)."""
+    if bits is None and blas.in_use() != blas.BUNDLED:
+        pytest.skip("float linears are split only under MLX's bundled BLAS")
     mx.set_default_device(mx.cpu)
     mx.random.seed(tokens)
-    lin = nn.QuantizedLinear.from_linear(nn.Linear(2048, 4096, bias=False), 64, 4)
+    lin = nn.Linear(2048, 4096, bias=False)
+    if bits is not None:
+        lin = nn.QuantizedLinear.from_linear(lin, 64, bits)
     mx.eval(lin.parameters())
     x = mx.random.normal((1, tokens, 2048))
     want = lin(x)  # mlx-lm's call: [1, T, 4096]
@@ -57,10 +64,9 @@ def test_a_split_linear_has_the_bits_of_the_whole_call(tokens, monkeypatch):
     assert np.array_equal(np.array(got), np.array(want))
 
 
-def test_install_row_split_wraps_the_quantized_linears_it_is_not_told_to_skip(monkeypatch):
+def tiny_qwen3_moe(quantized: bool):
     from mlx_lm.models import qwen3_moe
 
-    mx.set_default_device(mx.cpu)
     args = qwen3_moe.ModelArgs(
         model_type="qwen3_moe",
         hidden_size=64,
@@ -81,12 +87,28 @@ def test_install_row_split_wraps_the_quantized_linears_it_is_not_told_to_skip(mo
         max_position_embeddings=512,
         norm_topk_prob=True,
     )
+    mx.random.seed(0)
     model = qwen3_moe.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["4-bit", "float"])
+def test_install_row_split_wraps_the_linears_it_is_not_told_to_skip(quantized, monkeypatch):
+    """Quantized linears always; float ones only when asked (under MLX's bundled BLAS).
+    The routers are skipped; the model's output keeps its bits."""
+    if not quantized and blas.in_use() != blas.BUNDLED:
+        pytest.skip("float linears are split only under MLX's bundled BLAS")
+    mx.set_default_device(mx.cpu)
+    model = tiny_qwen3_moe(quantized)
     tokens = mx.array(np.random.default_rng(0).integers(0, 256, (1, 40)))
     want = model(tokens)
-    n = cpu_split.install_row_split(model, lambda path, parent: path.endswith("mlp.gate"))
+    skip_routers = lambda path, parent: path.endswith("mlp.gate")  # noqa: E731
+    if not quantized:
+        assert cpu_split.install_row_split(model, skip_routers, floats=False) == 0
+    n = cpu_split.install_row_split(model, skip_routers, floats=True)
     # 4 attention projections a layer and the LM head; the routers were skipped
     assert n == 2 * 4 + 1
     assert not any(

@@ -446,6 +446,24 @@ async def logged_logits(vault: Vault, prompt: list[int], **options):
 
 
 @pytest.mark.asyncio
+async def test_a_prefill_call_reports_its_timeline(quantized):
+    """Each streamed prefill call's trace says where its time went (bench/prefill_timeline.py
+    reads it): the routing, the waits for reads, and, where its experts did not fit the
+    ring, each wave with its experts, wait and compute."""
+    vault, _ = quantized("qwen3_moe")
+    _, traces, _ = await logged_logits(vault, _prompt(100, seed=2), slots=top_k_of(vault))
+    assert traces and all(t.phase == 0 for t in traces)
+    for t in traces:
+        assert t.seconds > 0 and 0 <= t.route_s and 0 <= t.wait_s
+        assert t.route_s + t.wait_s <= t.seconds
+        if t.waves > 1:
+            assert len(t.wave_times) == t.waves
+            assert sum(w.experts for w in t.wave_times) == t.unique_experts
+            assert all(w.wait_s >= 0 and w.compute_s > 0 for w in t.wave_times)
+    assert any(t.waves > 1 for t in traces)
+
+
+@pytest.mark.asyncio
 async def test_prefill_reads_each_chunks_union_once(quantized):
     """With a top-k ring the prompt's bytes are exactly stride x the sum over (chunk, layer)
     of the chunk's distinct experts, and each streamed call reads exactly its union, each
