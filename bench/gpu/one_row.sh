@@ -15,10 +15,8 @@
 #             and off (bench/batch_build_cost.py), for the q235 vault and the trained demo
 #   tests     the exactness tests (tests/gpu/test_gpu.py; SMOE_GPU_ARCHS / SMOE_GPU_BITS pick)
 # JSON goes to $OUT, the log to $OUT/one_row.log, the tests' comparisons to
-# $OUT/gpu-tests.jsonl. The tests need pytest>=8.4 and pytest-asyncio>=1.4, newer than the
-# GPU image's: carry their wheels (`pip download --no-deps -d .whl/t pytest-asyncio==1.5.0
-# pytest==9.2.0 pluggy iniconfig packaging pygments`) and install them into /tmp/site
-# (`python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/t/*.whl`).
+# $OUT/gpu-tests.jsonl. Run after bench/gpu/setup.sh (it carries MLX with CUDA and the
+# versions pyproject.toml declares, pytest and pytest-asyncio included).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, after ../shared/tools/device-wheels' setup: what MLX's CUDA backend does
+# On the GPU machine, after bench/gpu/setup.sh: what MLX's CUDA backend does
 # with a staged ring (bench/gpu_probe.py), then the GPU exactness tests (tests/gpu/test_gpu.py).
 # Writes probe.json, gpu_tests.jsonl and probe_and_test.log under $OUT.
 set -uo pipefail

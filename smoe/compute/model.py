@@ -26,6 +26,8 @@ from smoe.compute.switch import ring_modules
 from smoe.compute.tracing import Tracer
 from smoe.errors import SmoeError, VaultError
 from smoe.io.ring import ExpertRing
+from smoe.models.dtypes import FloatPolicy, describe_exceptions, header_dtypes
+from smoe.models.dtypes import float_policy as dtype_policy
 from smoe.models.topology import model_classes
 from smoe.vault.format import Vault
 from smoe.vault.source import Source
@@ -86,44 +88,46 @@ def _quantize_like_mlx_lm(model: nn.Module, config: dict[str, Any], weights: Any
     )
 
 
-_SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+def float_policy(vault: Vault, compute_dtype: Any) -> FloatPolicy:
+    """Which dtype each of ``vault``'s float tensors is kept in at ``compute_dtype``
+    (smoe.models.dtypes: the weights' own dtype follows the compute dtype, a tensor stored
+    wider, such as a float32 router, keeps its width, as mlx-lm's loaded model does)."""
+    return dtype_policy(
+        _dtype_name(compute_dtype),
+        [c.dtype for c in vault.manifest.record.components],
+        vault.backbone_header(),
+        vault.config(),
+    )
 
 
-def vault_float_dtype(vault: Vault) -> str | None:
-    """The dtype of the vault's float tensors (what mlx-lm computes in when it runs these
-    weights as they are): the records' float components, else the backbone's; None if mixed."""
-    from smoe.io.ring import is_float
-    from smoe.models.checkpoint import safetensors_header
-
-    found = {c.dtype for c in vault.manifest.record.components if is_float(c.dtype)}
-    if not found:
-        header = safetensors_header(vault.backbone_path)
-        found = {
-            _SAFETENSORS_FLOATS[v["dtype"]]
-            for k, v in header.items()
-            if k != "__metadata__" and v["dtype"] in _SAFETENSORS_FLOATS
-        }
-    return found.pop() if len(found) == 1 else None
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).split(".")[-1]
 
 
 def compute_dtype_note(vault: Vault, dtype: Any, requested: bool) -> str:
     """The compute dtype and why, for exactness claims: mlx-lm runs a model in its weights'
-    dtype, and the engine equals it only computing in that same dtype. e.g. 'float32 (the
+    dtypes, and the engine equals it only computing in that same dtype. e.g. 'float32 (the
     CPU's fast dtype; the weights are bfloat16: --dtype bfloat16 computes as mlx-lm runs
-    them)', or 'float32 (the weights' dtype, as mlx-lm runs them)'."""
-    name = str(dtype).split(".")[-1]
+    them)', or 'bfloat16 (the weights' dtype, as mlx-lm runs them; mlp.gate.weight float32
+    as stored)': the tensors kept out of the compute dtype are named."""
+    name = _dtype_name(dtype)
     if requested:
         origin = "as asked"
     else:  # the engine's defaults: float32 kernels are the fast ones on a CPU
         origin = "the CPU's fast dtype" if name == "float32" else "the GPU default"
-    own = vault_float_dtype(vault)
-    if own is None:  # float tensors of several dtypes: no single "usual" mlx-lm run
-        return f"{name} ({origin})"
-    if own == name:
-        return f"{name} (the weights' dtype, as mlx-lm runs them)"
+    policy = float_policy(vault, dtype)
+    stored = {n: d for n, (d, _) in header_dtypes(vault.backbone_header()).items()}
+    kept = describe_exceptions(policy.exceptions(stored))
+    own = policy.weights
+    if own is None or own == name:
+        why = "the weights' dtype, as mlx-lm runs them" if own == name else origin
+        return f"{name} ({why}; {kept} as stored)" if kept else f"{name} ({why})"
+    kept = f"; {kept} as stored" if kept else ""
     if _has_float_experts(vault) and not _gather_mm_works(getattr(mx, own)):
-        return f"{name} (the weights are {own}, but MLX multiplies float experts in {name} here)"
-    return f"{name} ({origin}; the weights are {own}: --dtype {own} computes as mlx-lm runs them)"
+        return (
+            f"{name} (the weights are {own}, but MLX multiplies float experts in {name} here{kept})"
+        )
+    return f"{name} ({origin}; the weights are {own}: --dtype {own} computes as mlx-lm runs them{kept})"
 
 
 def _has_float_experts(vault: Vault) -> bool:
@@ -211,8 +215,10 @@ def build_model(
 ) -> nn.Module:
     """mlx-lm's model for ``vault`` with streamed experts; call on the compute thread.
 
-    Float backbone tensors, quantization scales/biases included, are cast to
-    ``compute_dtype`` (mlx-lm's ``model.set_dtype``); packed weights stay as they are.
+    Float backbone tensors, quantization scales/biases included, are kept in the dtype
+    ``float_policy`` gives them: the weights' own dtype cast to ``compute_dtype`` (mlx-lm's
+    ``model.set_dtype``), a tensor stored wider (a float32 router) as stored; packed
+    weights stay as they are.
     The experts compute on the ring's arrays (in the compute dtype on a staged ring; in the
     vault's dtypes on a unified one, which the engine only uses when they agree).
     ``overlap``: compute each expert as its read completes (default: on the CPU only).
@@ -252,7 +258,7 @@ def build_model(
             f"{vault.backbone_path} does not match mlx-lm's '{config['model_type']}' model "
             f"(missing {missing[:3]}, unexpected {extra[:3]}); convert the model again"
         )
-    _load_cast(model, weights, compute_dtype)
+    _load_cast(model, weights, float_policy(vault, compute_dtype))
     if tracer is not None:  # after loading: the taps change parameter paths
         for spec in vault.manifest.layers:
             parent, _ = _resolve(model, spec.module)
@@ -288,7 +294,7 @@ def moe_routers(model: nn.Module, vault: Vault) -> list[nn.Module]:
 def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
     """mlx-lm's model for ``vault`` with every weight in memory, experts included (read
     back from the records): the in-memory reference benchmarks compare the engine with.
-    Float tensors are cast to ``compute_dtype``, as ``build_model`` casts the backbone.
+    Float tensors are kept as ``build_model`` keeps the backbone's (``float_policy``).
     Needs memory for the whole model."""
     from smoe.vault.export import read_layer
 
@@ -299,7 +305,7 @@ def resident_model(vault: Vault, compute_dtype: mx.Dtype) -> nn.Module:
         for name, a in read_layer(vault, spec.layer).items():
             weights[f"{spec.module}.{name}"] = a
     _quantize_like_mlx_lm(model, config, weights)
-    _load_cast(model, weights, compute_dtype)
+    _load_cast(model, weights, float_policy(vault, compute_dtype))
     return model
 
 
@@ -317,14 +323,17 @@ def _(vault: Source) -> dict[str, Any]:
     return source_backbone(vault)
 
 
-def _load_cast(model: nn.Module, weights: dict[str, Any], compute_dtype: mx.Dtype) -> None:
-    """Load ``weights`` (strict), every float one cast to ``compute_dtype`` as mlx-lm's
-    ``model.set_dtype`` does, scales and biases included: kept bf16, a quantized embedding
-    would dequantize in bf16 under float32 compute (and each call would convert them);
-    evaluate them and put the model in inference mode."""
+def _load_cast(model: nn.Module, weights: dict[str, Any], policy: FloatPolicy) -> None:
+    """Load ``weights`` (strict), each float one in the dtype ``policy`` keeps it in:
+    the weights' own dtype cast to the compute dtype as mlx-lm's ``model.set_dtype`` does,
+    scales and biases included (kept bf16, a quantized embedding would dequantize in bf16
+    under float32 compute, and each call would convert them); a tensor stored wider (a
+    float32 router) keeps its width. Evaluate them and put the model in inference mode."""
     for name, a in weights.items():
         if mx.issubdtype(a.dtype, mx.floating):
-            weights[name] = a.astype(compute_dtype)
+            kept = getattr(mx, policy.kept(name, _dtype_name(a.dtype)))
+            if kept != a.dtype:
+                weights[name] = a.astype(kept)
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()

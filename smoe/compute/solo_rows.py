@@ -122,6 +122,11 @@ def float_rows_at_once(kernel: str, x: mx.array, weight: mx.array) -> mx.array:
     flat = x.reshape(-1, x.shape[-1])  # [R, D]
     if flat.shape[0] == 1:
         return x @ weight.T
+    # MLX's matmul of mixed dtypes (a bf16 row by a float32 router) promotes both first;
+    # the kernels take one dtype, so promote as it does.
+    if flat.dtype != weight.dtype:
+        wide = mx.result_type(flat, weight)
+        flat, weight = flat.astype(wide), weight.astype(wide)
     return FLOAT_KERNELS[kernel](flat, weight).reshape(*lead, -1)
 
 

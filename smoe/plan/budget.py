@@ -5,8 +5,9 @@ MLX, no weights read), shared by the engine and ``smoe plan`` through ``smoe.pla
 formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's item size
 (4: float32 on the CPU, 2: bfloat16 on a GPU).
 
-- backbone: each float tensor cast to the compute dtype (``build_model`` does), packed
-  ones as stored; equal to the loaded arrays' nbytes (tests/unit/test_budget.py).
+- backbone: each float tensor in the dtype the engine keeps it in (the compute dtype, or
+  its own where stored wider: smoe.models.dtypes), packed ones as stored; equal to the
+  loaded arrays' nbytes (tests/unit/test_budget.py).
 - KV: mlx-lm's caches for ``sequences`` sequences at ``context`` tokens: per attention
   layer K and V of [kv_heads, capacity, head_dim] (DeepSeek's MLA: what its mlx-lm file
   caches, ``kv_elements``), capacity the context rounded up to the cache's 256-token step;
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.models.dtypes import FLOAT_SIZES, SAFETENSORS_FLOATS, FloatPolicy
 from smoe.util.sizes import format_bytes, parse_size
 
 # Resident set of a process that imported MLX, mlx-lm and the tokenizers and opened an
@@ -56,10 +58,11 @@ _SAFETENSORS_SIZES = {
 }
 
 
-def backbone_bytes(header: dict[str, Any], dsize: int) -> int:
-    """Bytes the backbone's tensors take once loaded: float ones in the compute dtype
-    (``dsize`` bytes per element), the rest (packed weights) as stored. ``header`` is the
-    backbone's safetensors header (smoe.models.checkpoint.safetensors_header)."""
+def backbone_bytes(header: dict[str, Any], policy: FloatPolicy) -> int:
+    """Bytes the backbone's tensors take once loaded: each float one in the dtype
+    ``policy`` keeps it in (the compute dtype, or its own where stored wider), the rest
+    (packed weights) as stored. ``header`` is the backbone's safetensors header
+    (smoe.models.checkpoint.safetensors_header)."""
     total = 0
     for name, entry in header.items():
         if name == "__metadata__":
@@ -68,8 +71,11 @@ def backbone_bytes(header: dict[str, Any], dsize: int) -> int:
         if dtype not in _SAFETENSORS_SIZES:
             raise SmoeError(f"backbone tensor {name} has dtype {dtype} S-MoE cannot size")
         count = math.prod(int(n) for n in shape)
-        floating = dtype.startswith(("F", "BF"))
-        total += count * (dsize if floating else _SAFETENSORS_SIZES[dtype])
+        stored = SAFETENSORS_FLOATS.get(dtype)
+        item = (
+            _SAFETENSORS_SIZES[dtype] if stored is None else FLOAT_SIZES[policy.kept(name, stored)]
+        )
+        total += count * item
     return total
 
 

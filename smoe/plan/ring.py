@@ -196,7 +196,7 @@ def budget_parts(
         landing += reader_host_bytes(vault, workers)
     return budget_parts_for(
         vault.config(),
-        backbone_bytes(vault.backbone_header(), dsize),
+        loaded_backbone_bytes(vault, dtype),
         dsize,
         context=max_context,
         sequences=max_batch,
@@ -205,6 +205,14 @@ def budget_parts(
         landing=landing,
         device_memory=discrete,
     )
+
+
+def loaded_backbone_bytes(vault: Vault, dtype: Any) -> int:
+    """The backbone's bytes once loaded at compute ``dtype`` (``backbone_bytes`` under the
+    vault's FloatPolicy)."""
+    from smoe.compute.model import float_policy
+
+    return backbone_bytes(vault.backbone_header(), float_policy(vault, dtype))
 
 
 def kv_room(config: dict[str, Any], dtype: Any, max_batch: int, max_context: int | None) -> int:
@@ -259,7 +267,7 @@ def plan_ring(
         count = int(slots)
     elif memory is None:
         count = slots_for_budget(
-            _default_budget(vault, per_slot, top_k, room, int(dtype.size)),
+            _default_budget(vault, per_slot, top_k, room, dtype),
             per_slot,
             top_k,
             max_slots=m.num_records,
@@ -300,7 +308,7 @@ def _size_at_most(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None, dsize: int) -> int:
+def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None, dtype: Any) -> int:
     m = vault.manifest
     floor = top_k * per_slot
     if room is not None:  # a discrete GPU
@@ -314,5 +322,5 @@ def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None, d
     available = available_memory()
     if available is None:
         return m.num_records * per_slot
-    spare = available // 2 - backbone_bytes(vault.backbone_header(), dsize)  # as loaded
+    spare = available // 2 - loaded_backbone_bytes(vault, dtype)
     return max(spare, floor)

@@ -45,6 +45,8 @@ class ConversionPlan:
         self.source_q = ck.quantization
         self.bits, self.group_size = bits, group_size
         self.dtype = _float_dtype(opts.dtype)
+        # mlx-lm's cast_predicate, read while the model is here (convert drops it early)
+        self.castable = getattr(ck.model, "cast_predicate", None)
         self.prefixes = [m.path + "." for m in ck.experts]
         self.router_gates = self._router_gates()
         self.quantizable = self._quantizable_backbone()
@@ -170,8 +172,14 @@ class ConversionPlan:
                 w, s, b = mx.quantize(_cast(a, self.dtype), gs, bb)
                 out[name], out[f"{module}.scales"], out[f"{module}.biases"] = w, s, b
             else:
-                out[name] = _cast(a, self.dtype)
+                out[name] = _cast(a, self._dtype_of(name))
         return out
+
+    def _dtype_of(self, name: str) -> mx.Dtype | None:
+        """--dtype for a backbone tensor, unless mlx-lm's model never casts it (its
+        ``cast_predicate``, as ``mlx_lm.convert --dtype`` honours: DeepSeek's
+        e_score_correction_bias stays as stored)."""
+        return self.dtype if self.castable is None or self.castable(name) else None
 
     def backbone_bytes(self) -> int:
         """backbone.safetensors as backbone_tensors() will write it: cast to --dtype, the
@@ -182,7 +190,8 @@ class ConversionPlan:
             if any(name.startswith(p) for p in self.prefixes):
                 continue
             floating = mx.issubdtype(a.dtype, mx.floating)
-            item = self.dtype.size if floating and self.dtype is not None else a.dtype.size
+            cast = self._dtype_of(name)
+            item = cast.size if floating and cast is not None else a.dtype.size
             module = name.rsplit(".", 1)[0]
             if bits is not None and name.endswith(".weight") and module in self.quantizable:
                 rows = a.size // a.shape[-1]

@@ -76,7 +76,7 @@ def reference_logits(model, ids: list[int], chunk: int = CHUNK) -> np.ndarray:
         y = model(mx.array(ids[start : start + chunk])[None], cache=cache)
         mx.eval(y)
         out.append(y[0])
-    return np.array(mx.concatenate(out, axis=0))
+    return np.array(mx.concatenate(out, axis=0).astype(mx.float32))  # (exact from bf16)
 
 
 def greedy(logits: mx.array) -> int:
@@ -99,7 +99,7 @@ def reference_decode(model, prompt: list[int], steps: int) -> tuple[list[int], l
     for _ in range(steps):
         y = model(mx.array(tokens[-1:])[None], cache=cache)[0, -1]
         mx.eval(y)
-        logits.append(np.array(y))
+        logits.append(np.array(y.astype(mx.float32)))  # (exact from bf16)
         tokens.append(greedy(y))
     return tokens[len(prompt) :], logits
 

@@ -514,8 +514,10 @@ def test_a_downloads_backbone_is_sized_from_the_non_expert_tensors_of_every_shar
     """The budget sizes a download's backbone from every shard's non-expert tensors, as
     its vault's backbone.safetensors (not the first shard whole, experts and all): the same
     bytes at either compute width, and the same line from `smoe generate --memory`."""
+    from smoe.compute.model import float_policy
     from smoe.models.checkpoint import safetensors_header
     from smoe.plan.budget import backbone_bytes
+    from smoe.plan.ring import loaded_backbone_bytes
     from smoe.synth import synthesize, weights
 
     monkeypatch.setattr(weights, "MAX_SHARD_BYTES", 150_000)  # several shards
@@ -524,10 +526,11 @@ def test_a_downloads_backbone_is_sized_from_the_non_expert_tensors_of_every_shar
     assert len(shards) >= 3
     vault = convert(folder, tmp_path / "v", ConvertOptions(bits=16))
     source = open_model(folder)
-    for dsize in (2, 4):
-        got = backbone_bytes(source.backbone_header(), dsize)
-        assert got == backbone_bytes(vault.backbone_header(), dsize)
-    assert got != backbone_bytes(safetensors_header(shards[0]), 4)  # the old count
+    for dtype in (mx.bfloat16, mx.float32):
+        got = loaded_backbone_bytes(source, dtype)
+        assert got == loaded_backbone_bytes(vault, dtype)
+    f32 = float_policy(vault, mx.float32)
+    assert got != backbone_bytes(safetensors_header(shards[0]), f32)  # the old count
     lines = []
     for path in (folder, vault.path):
         code, out, err = run_cli(

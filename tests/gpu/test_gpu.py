@@ -13,105 +13,36 @@ SMOE_GPU_ARCHS and SMOE_GPU_BITS (comma lists) pick a subset.
 
 from __future__ import annotations
 
-import json
 import os
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from smoe.bench.resident import fill_ring
-from smoe.chat.demo import DEMO_SOURCE
 from smoe.engine import Engine
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
-from smoe.vault.export import export_mlx
-from tests.exact.test_engine_exact import ShuffledReads, engine_decode, greedy
+from tests.exact.test_engine_exact import ShuffledReads, engine_decode
+from tests.gpu.gpu_common import (
+    CHUNK,
+    CUDA,
+    ENGINE,
+    GPU_MARKS,
+    STEPS,
+    first_difference,
+    generate,
+    reference,
+    report,
+)
 
-CUDA = mx.is_available(mx.gpu) and not mx.metal.is_available()
-# SMOE_GPU_TESTS_ON_CPU=1 runs them on the CPU (bfloat16, staged ring): a dry run of the code.
-RUN = CUDA or os.environ.get("SMOE_GPU_TESTS_ON_CPU") == "1"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not RUN, reason="needs a CUDA GPU")]
-ENGINE = {"ring": "staged", "dtype": "bfloat16"}  # what a CUDA GPU gets by default
-if not CUDA:  # the CPU dry run: CUDA's kernel rules forced, to run their code
-    ENGINE["solo_rows"] = True
+pytestmark = GPU_MARKS
 
-CHUNK = 64
-STEPS = 64
 # qwen2_moe: a shared expert beside the routed ones; kjv_demo: the trained built-in demo,
 # whose routing was learned (smoe/chat/demo_model); qwen3_30b: Qwen3-30B-A3B's geometry
 # (128 experts top-8: a solo step's gathers already run the tiled kernel), 4 layers.
 ARCHS = os.environ.get("SMOE_GPU_ARCHS", "qwen3_moe,qwen2_moe,kjv_demo,qwen3_30b").split(",")
 BITS = [int(b) for b in os.environ.get("SMOE_GPU_BITS", "4,8,16").split(",")]
-
-
-def report(entry: dict) -> None:
-    path = os.environ.get("SMOE_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Factory: (vault, mlx-lm's model of it in GPU memory, bf16) per (arch, bits)."""
-    from mlx_lm.utils import load_model
-
-    cache: dict = {}
-
-    def get(arch: str, bits: int):
-        if (arch, bits) not in cache:
-            root = tmp_path_factory.mktemp(f"gpu-{arch}-{bits}")
-            if arch == "kjv_demo":
-                src = DEMO_SOURCE
-            elif arch == "qwen3_30b":
-                src = synthesize(
-                    root / "hf", arch="qwen3_moe", preset="qwen3-30b-a3b", layers=4, seed=1
-                )
-            else:
-                src = synthesize(root / "hf", arch=arch, preset="demo", seed=1)
-            vault = convert(src, root / "v", ConvertOptions(bits=bits))
-            model, _ = load_model(export_mlx(vault, root / "mlx"))
-            cast = [
-                (n, a.astype(mx.bfloat16))
-                for n, a in tree_flatten(model.parameters())
-                if mx.issubdtype(a.dtype, mx.floating) and not n.endswith((".scales", ".biases"))
-            ]
-            model.load_weights(cast, strict=False)
-            mx.eval(model.parameters())
-            model.eval()
-            cache[arch, bits] = (vault, model)
-        return cache[arch, bits]
-
-    return get
-
-
-def reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """mlx-lm in memory with the engine's schedule: prompt[:-1] in chunks, then one token
-    at a time, greedy. Returns the tokens and each step's logits (float32)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    head = prompt[:-1]
-    for start in range(0, len(head), CHUNK):
-        model(mx.array(head[start : start + CHUNK])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    tokens, logits = list(prompt), []
-    for _ in range(steps):
-        y = model(mx.array(tokens[-1:])[None], cache=cache)[0, -1]
-        mx.eval(y)
-        logits.append(np.array(y.astype(mx.float32)))
-        tokens.append(greedy(y))
-    return tokens[len(prompt) :], logits
-
-
-async def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    out = []
-    async for ev in engine.generate(prompt, max_tokens=n, temperature=0.0, stop_at_eos=False):
-        if ev.token is not None:
-            out.append(ev.token)
-    return out
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce
@@ -242,10 +173,6 @@ def test_kv_bits_is_refused_on_cuda_where_mlx_lm_cannot_run_it(kv_bits, models, 
         code, _, err = run_cli(command, vault.path, *extra, "--kv-bits", str(kv_bits))
         assert code == 2 and len(err.strip().splitlines()) == 1
         assert "--kv-bits does not run on a CUDA GPU" in err
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])  # the loop smoe runs on; GPU time is scarce

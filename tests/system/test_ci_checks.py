@@ -50,17 +50,19 @@ def _tests_dir(tmp_path: Path, *names: str) -> Path:
 
 
 def test_the_junit_check_passes_a_full_run_with_gpu_skips(tmp_path):
-    tests = _tests_dir(tmp_path, "test_a.py", "gpu/test_gpu.py")
+    tests = _tests_dir(tmp_path, "test_a.py", "gpu/test_gpu.py", "gpu/test_paths.py")
     report = _report(
         tmp_path,
         '<testcase classname="tests.test_a" name="t1"/>'
         '<testcase classname="tests.test_a.Group" name="t2"/>'
         '<testcase classname="tests.gpu.test_gpu" name="g"><skipped message="needs a CUDA GPU"/>'
+        "</testcase>"
+        '<testcase classname="tests.gpu.test_paths" name="p"><skipped message="needs a GPU"/>'
         "</testcase>",
     )
     done = _run("junit_check.py", report, tests)
     assert done.returncode == 0, done.stderr
-    assert "2 test files, 2 passed, 1 skipped, 0 failed, 0 errors" in done.stdout
+    assert "3 test files, 2 passed, 2 skipped, 0 failed, 0 errors" in done.stdout
 
 
 def test_the_junit_check_fails_what_a_green_exit_would_hide(tmp_path):

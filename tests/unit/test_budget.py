@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from smoe.compute.model import float_policy
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.models.checkpoint import safetensors_header
@@ -43,7 +44,7 @@ def test_backbone_bytes_equal_the_loaded_arrays(vault, dtype):
         a.nbytes for name, a in tree_flatten(model.parameters()) if not name.startswith(prefixes)
     )
     header = safetensors_header(vault.backbone_path)
-    assert backbone_bytes(header, getattr(mx, dtype).size) == loaded
+    assert backbone_bytes(header, float_policy(vault, getattr(mx, dtype))) == loaded
 
 
 @pytest.mark.parametrize("tokens", [1, 200, 300])

@@ -10,9 +10,8 @@ import pytest
 
 import smoe.plan.memory as memory_module
 import smoe.plan.ring as ring_plan
-from smoe.plan.budget import backbone_bytes
 from smoe.plan.memory import available_memory
-from smoe.plan.ring import Device, plan_ring
+from smoe.plan.ring import Device, loaded_backbone_bytes, plan_ring
 from smoe.vault.convert import convert
 
 GiB = 1 << 30
@@ -118,7 +117,7 @@ def test_default_ring_budget_fits_the_cgroup_limit(hf_dir, tmp_path, monkeypatch
     per_slot = ring_plan.slot_bytes(
         ring_plan.ring_kind("auto", m.record, mx.float32, cpu), m.record, mx.float32
     )
-    backbone = backbone_bytes(vault.backbone_header(), 4)  # as loaded, in float32
+    backbone = loaded_backbone_bytes(vault, mx.float32)
     room = 2 * (backbone + 5 * per_slot)  # the default takes half: the backbone and 5 slots
     root = fake_system(
         tmp_path / "sys",
