@@ -236,7 +236,7 @@ class ChatApp:
             f"ring: {now.ring.filled}/{now.ring.slots} slots "
             f"of {format_bytes(now.ring.slot_bytes)}; hits {st.hits}, misses {st.misses}, "
             f"read {format_bytes(st.bytes_read())} in total",
-            f"compute: {now.compute_dtype_note}",
+            f"compute: {now.compute_dtype_note} by {now.arithmetic}",
         ]
         if s is not None:
             lines.append(

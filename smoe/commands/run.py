@@ -55,6 +55,7 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["scheduler"] = now.scheduler.to_json()  # queue waits, read latencies
         stats["ring_slots"] = now.ring.slots
         stats["compute_dtype_note"] = now.compute_dtype_note  # what "equal to mlx-lm" assumes
+        stats["arithmetic"] = now.arithmetic  # whose kernels (smoe.compute.native)
         stats["cpu_blas"] = blas.in_use()  # MLX's bundled BLAS, or SMOE_CPU_BLAS's
         stats["ring_bytes"] = now.ring.nbytes
         stats["slot_bytes"] = now.ring.slot_bytes  # the figure inspect and plan print
@@ -154,14 +155,17 @@ def _print_generated(
             f"[{len(tokens)} tokens, {finish}; first token {stats['ttft_s']:.2f} s, "
             f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.2f} "
             f"tok/s, read {format_bytes(stats['bytes_read'])}, hit rate "
-            f"{100 * stats['hit_rate']:.0f}%; computed in {stats['compute_dtype_note']}]",
+            f"{100 * stats['hit_rate']:.0f}%; computed in {stats['compute_dtype_note']} by "
+            f"{stats['arithmetic']}]",
             file=sys.stderr,
         )
 
 
 def _dtype_note(engine: Any) -> str:
-    """The compute dtype and why (smoe.compute.model.compute_dtype_note)."""
-    return str(engine.stats().compute_dtype_note)
+    """The compute dtype and why (smoe.compute.model.compute_dtype_note), and whose
+    kernels compute in it (smoe.compute.native.arithmetic)."""
+    now = engine.stats()
+    return f"{now.compute_dtype_note} by {now.arithmetic}"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -379,6 +383,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "collective_timeout": args.collective_timeout,
         "draft": args.draft,
         "draft_tokens": args.draft_tokens,
+        "cpu_kernels": args.cpu_kernels,
     }
 
 
@@ -481,6 +486,14 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     )
     add_dtype(p)
     add_device(p)
+    p.add_argument(
+        "--cpu-kernels",
+        choices=("auto", "mlx"),
+        default="auto",
+        help="the CPU's matmuls: auto (S-MoE's vectorized, threaded kernels, bit for bit "
+        "MLX's, where they run: Linux x86-64) or mlx (MLX's own, one core each); "
+        "default auto",
+    )
     advanced = p.add_argument_group(
         ADVANCED, "how the expert ring is sized, read, evicted and prefetched into"
     )

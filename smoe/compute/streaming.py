@@ -147,6 +147,11 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
         self.layer = layer
         self.num_experts = num_experts
 
+    def expert_modules(self) -> list[Any]:
+        """mlx-lm's expert module of each ring bank (the engine may wrap their projections
+        once, before the first call: smoe.compute.native)."""
+        return list(self._inners)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Route -> reserve -> compute -> release, then tell the observers and speculate."""
         # x: [..., D]; indices: [..., k] expert ids chosen by the router (exact top-k)

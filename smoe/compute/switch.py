@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from smoe.compute import cpu_split
+from smoe.compute.native import is_native
 from smoe.errors import VaultError
 
 
@@ -135,7 +136,8 @@ def split_call(module: nn.Module, x: mx.array, indices: mx.array, sort: bool) ->
     rows = 1
     for n in lead:
         rows *= n
-    bounds = cpu_split.share_bounds(rows)
+    # Our native kernels use every core within one call already (smoe.compute.native).
+    bounds = None if is_native(module) else cpu_split.share_bounds(rows)
     if bounds is None:
         return switch_call(module, x, indices, sort)
     sort = sort or indices.size >= SORT_FROM  # the whole call's choice, for every share

@@ -268,6 +268,7 @@ def build_runner(
 
     from smoe.compute.cpu_split import install_row_split
     from smoe.compute.model import build_model, moe_routers
+    from smoe.compute.native import Native, install_native
     from smoe.compute.rowwise import RowwiseAttention, install_rowwise_attention
     from smoe.compute.solo_rows import install_row_pieces, with_float_kernel
     from smoe.compute.speculation import RouterTap
@@ -287,9 +288,17 @@ def build_runner(
 
         install_row_pieces(model, skip, moe_routers(model, vault))
         rules = with_float_kernel(rules, model)
-    if plan.mlx_device == mx.cpu and plan.rules is None:  # a chunk's projections, every core
-        floats = blas.in_use() == blas.BUNDLED
-        install_row_split(model, lambda path, parent: isinstance(parent, RouterTap), floats)
+    if plan.mlx_device == mx.cpu and plan.rules is None:  # every core, MLX's bits
+        not_routers = lambda path, parent: isinstance(parent, RouterTap)  # noqa: E731
+        if Native.here().on and options.cpu_kernels == "auto":  # ours, else MLX's by rows
+            install_native(model, not_routers)
+            for block in model.modules():
+                if isinstance(block, StreamingExperts):
+                    for experts in block.expert_modules():
+                        install_native(experts)
+        else:
+            floats = blas.in_use() == blas.BUNDLED
+            install_row_split(model, not_routers, floats)
     layers = len(vault.manifest.layers)
     o = options
     return Runner(

@@ -365,6 +365,7 @@ class Engine:
             ),
             compute_dtype=str(self.dtype).split(".")[-1],
             compute_dtype_note=self._dtype_note,
+            arithmetic=self._arithmetic(),
             direct_io=self.reader.direct,
             draft=drafting.stats.to_json() if drafting is not None else None,
             steps=self.runner.timeline.summary(),
@@ -385,6 +386,23 @@ class Engine:
         from smoe.compute.model import compute_dtype_note
 
         return compute_dtype_note(self.vault, self.dtype, self.options.dtype is not None)
+
+    @functools.cached_property
+    def _native_installed(self) -> bool:
+        from smoe.compute.native import NativeLinear, NativeSwitchLinear
+
+        kinds = (NativeLinear, NativeSwitchLinear)
+        return any(isinstance(m, kinds) for m in self.runner.model.modules())
+
+    def _arithmetic(self) -> str:
+        """Whose kernels run the matmuls (smoe.compute.native.arithmetic); which kinds of
+        call fell back to MLX's is known as they are first met, so asked each time."""
+        import mlx.core as mx
+
+        from smoe.compute.native import arithmetic
+
+        device = mx.gpu if self.on_gpu else mx.cpu
+        return arithmetic(device, self._native_installed, self.options.cpu_kernels == "mlx")
 
     @property
     def on_gpu(self) -> bool:

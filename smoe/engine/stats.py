@@ -44,6 +44,7 @@ class EngineStats:
     batch: BatchStats
     compute_dtype: str  # e.g. "float32"
     compute_dtype_note: str  # the dtype and why (smoe.compute.model.compute_dtype_note)
+    arithmetic: str  # whose kernels run the matmuls (smoe.compute.native.arithmetic)
     direct_io: bool  # reads bypass the page cache
     draft: dict[str, Any] | None  # drafted decoding's passes and acceptance, when on
     # Decode steps built ahead, medians by rows: build, queue, wait, period, and the event
@@ -58,6 +59,7 @@ class EngineStats:
             "batch": self.batch.__dict__.copy(),
             "compute_dtype": self.compute_dtype,
             "compute_dtype_note": self.compute_dtype_note,
+            "arithmetic": self.arithmetic,
             "direct_io": self.direct_io,
             "draft": self.draft,
             "steps": self.steps,

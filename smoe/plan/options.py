@@ -12,6 +12,7 @@ from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
 
 MAX_WORKERS = 256  # I/O threads: far past what any disk rewards (--workers auto picks <= 16)
+CPU_KERNELS = ("auto", "mlx")  # smoe.compute.native's, where they run; or MLX's own
 MAX_READ_PARTS = 64  # parts a record is read in at once, each a thread's read
 
 
@@ -57,11 +58,16 @@ class EngineOptions:
     # draft_tokens: tokens drafted per pass (k).
     draft: str | None = None
     draft_tokens: int = 4
+    # The CPU's matmuls: "auto" (S-MoE's kernels, MLX's bits, where they run:
+    # smoe.compute.native) or "mlx" (MLX's own kernels, one core each).
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         """The checks that need no model (SmoeError naming the fix)."""
         if self.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise SmoeError(f"cpu_kernels must be auto or mlx, not {self.cpu_kernels!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise SmoeError("max_batch must be at least 1 (1 decodes one request at a time)")
         if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:

@@ -24,6 +24,7 @@ async def server_stats(server: Server) -> dict[str, Any]:
         "prefilled_tokens": server.prefilled_tokens,
         # exactness claims hold for a dtype: say which, and why (docs/api.md)
         "compute_dtype": now.compute_dtype_note,
+        "arithmetic": now.arithmetic,  # whose kernels (smoe.compute.native)
         "prefix_cache": {
             "sequences": len(server.cache.entries),
             "bytes": server.cache.nbytes(),

@@ -283,6 +283,13 @@ class AttentionCalls:
         monkeypatch.setattr(mx.fast, "rope", counted("rope", rope))
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted("sdpa", sdpa))
         monkeypatch.setattr(nn.Linear, "__call__", counted("projection", linear))
+        # On the CPU the engine's projections run our kernels (smoe.compute.native):
+        # count those calls too (a wrapped layer calls its inner one only where they
+        # do not take the call, which these float32 models never do).
+        from smoe.compute.native import NativeLinear
+
+        native = NativeLinear.__call__
+        monkeypatch.setattr(NativeLinear, "__call__", counted("projection", native))
 
     async def of_a_pass(self, engine: Engine, rows: int) -> dict[str, int]:
         r = engine.debug.runner

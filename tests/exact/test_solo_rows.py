@@ -10,6 +10,9 @@ shapes batched and verify passes so each row gets the kernel its solo decode ste
   without the path it would not;
 - the plumbing: solo, batched and drafted runs stay bit-identical through the pieces,
   the padding and the one-row-at-a-time attention, for each architecture's modules.
+
+The engines here run MLX's own CPU kernels (``cpu_kernels="mlx"``): the tests count
+MLX's calls, which S-MoE's native kernels replace on the CPU where no rules apply.
 """
 
 from __future__ import annotations
@@ -131,14 +134,14 @@ async def test_a_batched_pass_keeps_every_call_in_its_solo_kernel_class(vaults, 
     without them the same pass makes larger calls (what changed tokens on the H200)."""
     calls = Calls(monkeypatch)
     vault = vaults(2, backbone_bits=8, tied=False)
-    async with Engine.open(vault.path, solo_rows=True) as engine:
+    async with Engine.open(vault.path, solo_rows=True, cpu_kernels="mlx") as engine:
         assert engine.rules == CPU_RULES
         got = await _batched_calls(engine, calls)
         nine = await _batched_calls(engine, calls, n=9)  # attention's projections: 7 + 2
     assert got["gather_qmm"] and max(got["gather_qmm"]) < VECTOR_BELOW
     assert got["quantized_matmul"] and max(got["quantized_matmul"]) < VECTOR_BELOW
     assert max(nine["quantized_matmul"]) == VECTOR_BELOW - 1
-    async with Engine.open(vault.path, solo_rows=False) as engine:
+    async with Engine.open(vault.path, solo_rows=False, cpu_kernels="mlx") as engine:
         assert engine.rules is None
         plain = await _batched_calls(engine, calls)
     assert max(plain["gather_qmm"]) >= VECTOR_BELOW  # 4 sequences x 2 ranks x ... rows
@@ -159,15 +162,21 @@ async def test_float_dense_calls_and_a_tied_head_keep_lone_row_kernels(vaults, m
 
     monkeypatch.setitem(row_gemv.FLOAT_KERNELS, "strided", recorded)
     vault = vaults(2, tied=True)  # float backbone, LM head = the embedding's as_linear
-    async with Engine.open(vault.path, solo_rows=True, lookahead=False) as engine:
+    async with Engine.open(
+        vault.path, solo_rows=True, lookahead=False, cpu_kernels="mlx"
+    ) as engine:
         got = await _batched_calls(engine, calls)
     assert set(got["row_kernel"]) == {4} and "float_dense" not in got
     monkeypatch.setattr(solo_rows_module, "exact_float_kernel", lambda dtypes: None)
-    async with Engine.open(vault.path, solo_rows=True, lookahead=False) as engine:
+    async with Engine.open(
+        vault.path, solo_rows=True, lookahead=False, cpu_kernels="mlx"
+    ) as engine:
         assert engine.rules == CUDA
         pieces = await _batched_calls(engine, calls)
     assert set(pieces["float_dense"]) == {1} and "row_kernel" not in pieces
-    async with Engine.open(vault.path, solo_rows=False, lookahead=False) as engine:
+    async with Engine.open(
+        vault.path, solo_rows=False, lookahead=False, cpu_kernels="mlx"
+    ) as engine:
         plain = await _batched_calls(engine, calls)
     assert max(plain["float_dense"]) == 4
 
@@ -182,7 +191,7 @@ async def test_waves_keep_the_tiled_kernel_of_a_top8_call(vaults, monkeypatch):
     vault = vaults(8)
     prompt = prompts(1)[0]
     for forced, check in ((True, min), (False, None)):
-        async with Engine.open(vault.path, slots=8, solo_rows=forced) as engine:
+        async with Engine.open(vault.path, slots=8, solo_rows=forced, cpu_kernels="mlx") as engine:
             calls.rows.clear()
             calls.on = True
             try:
@@ -213,7 +222,9 @@ async def test_a_lone_request_makes_the_same_calls_with_and_without_the_rules(
     seen = []
     for forced in (True, False):
         every = vault.manifest.num_records
-        async with Engine.open(vault.path, slots=every, solo_rows=forced) as engine:
+        async with Engine.open(
+            vault.path, slots=every, solo_rows=forced, cpu_kernels="mlx"
+        ) as engine:
             await fill_ring(engine)
             seq = await engine.debug.compute.run(
                 engine.debug.runner.start, prompt, SamplingParams()
@@ -238,10 +249,10 @@ async def test_float_gathers_stay_unsorted_in_a_batch(vaults, monkeypatch):
     under the rules stays unsorted."""
     calls = Calls(monkeypatch)
     vault = vaults(8, bits=16)
-    async with Engine.open(vault.path, solo_rows=True) as engine:
+    async with Engine.open(vault.path, solo_rows=True, cpu_kernels="mlx") as engine:
         await _batched_calls(engine, calls, n=8)
         assert calls.sorted_gathers == 0
-    async with Engine.open(vault.path, solo_rows=False) as engine:
+    async with Engine.open(vault.path, solo_rows=False, cpu_kernels="mlx") as engine:
         await _batched_calls(engine, calls, n=8)
         assert calls.sorted_gathers > 0
 
@@ -342,7 +353,7 @@ async def test_batched_equals_solo_bit_for_bit_through_the_pieces(arch, hf_dir, 
     vault = convert(hf_dir(arch), tmp_path / "v", ConvertOptions(dtype="float32"))
     top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):
-        async with Engine.open(vault.path, solo_rows=True, **ring) as engine:
+        async with Engine.open(vault.path, solo_rows=True, **ring, cpu_kernels="mlx") as engine:
             assert engine.debug.runner.batchable and engine.rules == CPU_RULES
             solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
             batched = await batched_decode(engine, prompts(), STEPS)
@@ -360,7 +371,9 @@ async def test_drafted_equals_plain_with_attention_one_row_at_a_time(vaults, slo
     logits are plain decode's, bit for bit, and so its greedy tokens."""
     vault = vaults(2)
     prompt = [3, 17, 40, 9, 22, 61, 5, 12] * 3
-    async with Engine.open(vault.path, slots=slots, solo_rows=True, draft="ngram") as engine:
+    async with Engine.open(
+        vault.path, slots=slots, solo_rows=True, draft="ngram", cpu_kernels="mlx"
+    ) as engine:
         runner = engine.debug.runner
         plain = await engine.debug.compute.run(runner.start, prompt, SamplingParams())
         want = []
@@ -389,7 +402,9 @@ async def test_greedy_with_drafts_equals_plain_under_the_rules(vaults):
     ids = [3, 17, 40, 9, 22, 61, 5, 12] * 4
 
     async def run(**options) -> list[int]:
-        async with Engine.open(vault.path, slots=6, solo_rows=True, **options) as engine:
+        async with Engine.open(
+            vault.path, slots=6, solo_rows=True, **options, cpu_kernels="mlx"
+        ) as engine:
             return [
                 e.token
                 async for e in engine.generate(ids, max_tokens=32, stop_at_eos=False)
