@@ -83,6 +83,7 @@ def one_shape(ext, n: int, k: int, kind: str, rows: int, rounds: int, threads: i
 
         def ours():
             ext.matmul(xn, wn, out)
+
     t_mlx = timed(mlx_call, rounds)
     ext.set_threads(1)
     t_one = timed(ours, rounds)
@@ -126,9 +127,7 @@ def main() -> None:
                 for rows in (1, 64):
                     key = f"{model} {name} {kind}"
                     r = one_shape(ext, n, k, kind, rows, args.rounds, threads)
-                    r["ours_share_of_peak"] = round(
-                        r["ours_one_thread_gflops"] * 1e9 / peak, 3
-                    )
+                    r["ours_share_of_peak"] = round(r["ours_one_thread_gflops"] * 1e9 / peak, 3)
                     report["shapes"].setdefault(key, []).append(r)
                     print(f"{key} rows {rows}: {r}", file=sys.stderr, flush=True)
     all_rows = [r for rs in report["shapes"].values() for r in rs]

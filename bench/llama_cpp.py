@@ -1,8 +1,9 @@
 """S-MoE against llama.cpp's CPU build on the same synthetic model, side by side: each case a
-fresh process in a memory cgroup (swap off) after dropping the page cache, the same 44-token
-prompt, 64 greedy tokens, 2 threads for llama.cpp. Reports per case prefill and decode tok/s
-(each tool's own timing figures), the cgroup's peak memory (anonymous memory and page cache),
-the process's peak RSS and wall time, and the ratios S-MoE / llama.cpp.
+fresh process in a memory cgroup (swap off; limited to the cap, or for an uncapped case to the
+machine's RAM) after dropping the page cache, the same 44-token prompt, 64 greedy tokens,
+2 threads for llama.cpp. Reports per case prefill and decode tok/s (each tool's own timing
+figures), the cgroup's peak memory (anonymous memory and page cache), the process's peak RSS,
+CPU seconds and wall time, and the ratios S-MoE / llama.cpp (medians over --rounds).
 
     python bench/llama_cpp.py [--create] [--layers 18] [--models /work/models]
                               [--llama-dir /work/llama] [--cases llama,smoe,...] [--rounds 1]
@@ -36,11 +37,17 @@ What is compared, exactly:
     tokenization (printed with --verbose-prompt) is checked against them (prompt_ids_match).
   - prefill: llama.cpp's "prompt eval" (all prompt tokens in one batch, after a warmup run that
     touches every expert, untimed); S-MoE's prefill_tok_s = prefilled tokens (the prompt but
-    its last token) / time to first token, cold: its reads of the experts count.
+    its last token) / time to first token. Uncapped, S-MoE loads every expert first
+    (`--preload`, its preload_s reported apart, as llama.cpp's load and warmup are), so both
+    sides are warm; --no-smoe-preload measures S-MoE cold instead (its reads then count).
   - decode: llama.cpp's "eval" (runs after the first token); S-MoE's decode_tok_s (tokens
     after the first / their time). llama.cpp ignores EOS (--ignore-eos); S-MoE has no such
     switch, so its generated_tokens is reported.
   - wall_s: the whole process, load and warmup included: the cold end-to-end cost.
+  - other_cpu_share: the share of the machine's CPU that went to anything but the case's
+    process while it ran. Both tools are CPU bound on few cores, and llama.cpp's spinning
+    thread barriers suffer most from sharing them (here 20x slower decode beside a test run):
+    run on a quiet machine, and distrust a case whose share is well above ~0.05.
 Needs root and a memory controller (tests/cgroup.py); drops the page cache before each case.
 """
 
@@ -142,10 +149,11 @@ def log(msg: str) -> None:
 
 
 def run(argv: list[Any], **kw: Any) -> subprocess.CompletedProcess:
-    """Run a setup step, echoing it; fail loudly."""
+    """Run a setup step, echoing it; fail loudly. Its output goes to stderr: stdout is the
+    report's."""
     argv = [str(a) for a in argv]
     log("$ " + " ".join(argv))
-    return subprocess.run(argv, check=True, **kw)
+    return subprocess.run(argv, check=True, stdout=sys.stderr, **kw)
 
 
 # ---------------------------------------------------------------- llama.cpp: source, build
@@ -434,6 +442,8 @@ def smoe_case(a: argparse.Namespace, vault: Path, ids: list[int], cap: int | Non
     memory = int(cap * a.memory_share) if cap is not None else None
     if memory is not None:
         argv += ["--memory", str(memory)]
+    elif a.smoe_preload:  # no cap: load every expert first, as llama.cpp's warmup does
+        argv += ["--preload"]
     res, cost = cold_run(argv, cap or mem_total(), env=smoe_env(), cwd=str(REPO))
     if (bad := failed(res, cost)) is not None:
         return bad
@@ -442,7 +452,7 @@ def smoe_case(a: argparse.Namespace, vault: Path, ids: list[int], cap: int | Non
     if not _shown_keys:  # what `smoe generate --json` reports, for whoever reads the log
         log("smoe stats keys: " + ", ".join(st))
         _shown_keys = True
-    keep = ("prompt_tokens", "prefilled_tokens", "generated_tokens", "ttft_s")
+    keep = ("prompt_tokens", "prefilled_tokens", "generated_tokens", "ttft_s", "preload_s")
     # How it computed (dtype, kernels, BLAS): the CPU kernels change under this benchmark.
     how = ("compute_dtype", "arithmetic", "cpu_blas")
     return {
@@ -564,6 +574,13 @@ def parse() -> argparse.Namespace:
         type=float,
         default=0.92,
         help="S-MoE's --memory under a cap, as a share of the cap (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-smoe-preload",
+        dest="smoe_preload",
+        action="store_false",
+        help="uncapped S-MoE cases read experts on first use (cold) instead of loading them "
+        "all first as llama.cpp does (default: load first, --preload)",
     )
     p.add_argument(
         "--llama-args",

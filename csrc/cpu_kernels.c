@@ -172,21 +172,41 @@ static inline float *align16(float *p) {
 
 /* ------------------------------------------------------------------ threads */
 
+/* A pool of worker threads; the calling thread is one more. A decode step makes a
+ * hundred calls a token, back to back, and waking a sleeping thread costs tens of
+ * microseconds (more under a hypervisor): a worker spins SPIN_NS after each job before
+ * it sleeps, and the caller spins as long for the workers to finish. */
+#define SPIN_NS 50000
+
 typedef struct {
     pthread_t *threads;
-    int n; /* worker threads (the caller is one more) */
+    int n; /* worker threads */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    Job *job;
-    unsigned long generation;
-    int busy;
-    int stopping;
+    Job *job;                 /* written before generation is published */
+    unsigned long generation; /* atomic: a new job */
+    int busy;                 /* atomic: workers still on the job */
+    int sleepers;             /* under mu: workers waiting on go */
+    int stopping;             /* atomic */
 } Pool;
 
 static Pool pool = {NULL, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                    PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+                    PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0};
 static int want_threads = 0; /* 0: every CPU this process may run on */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call in the pool at a time */
 static size_t scratch_floats = 0;
+
+static inline uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if SMOE_X86
+    for (int i = 0; i < 32; i++) _mm_pause();
+#endif
+}
 
 static void run_items(Job *job, float *scratch) {
     for (;;) {
@@ -210,26 +230,47 @@ static float *scratch_for_thread(size_t n) {
     return thread_scratch;
 }
 
+/* The next generation after ``seen``: spun for, then slept for (no wakeup is lost: the
+ * generation is read again under the lock that the publisher takes). */
+static unsigned long next_generation(unsigned long seen) {
+    uint64_t until = now_ns() + SPIN_NS;
+    unsigned long g;
+    while ((g = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE)) == seen &&
+           !__atomic_load_n(&pool.stopping, __ATOMIC_ACQUIRE)) {
+        if (now_ns() < until) {
+            relax();
+            continue;
+        }
+        pthread_mutex_lock(&pool.mu);
+        pool.sleepers++;
+        while ((g = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE)) == seen &&
+               !__atomic_load_n(&pool.stopping, __ATOMIC_ACQUIRE))
+            pthread_cond_wait(&pool.go, &pool.mu);
+        pool.sleepers--;
+        pthread_mutex_unlock(&pool.mu);
+        break;
+    }
+    return g;
+}
+
 static void *worker(void *arg) {
     (void)arg;
     unsigned long seen = 0;
-    pthread_mutex_lock(&pool.mu);
     for (;;) {
-        while (pool.generation == seen && !pool.stopping) pthread_cond_wait(&pool.go, &pool.mu);
-        if (pool.stopping) break;
-        seen = pool.generation;
+        seen = next_generation(seen);
+        if (__atomic_load_n(&pool.stopping, __ATOMIC_ACQUIRE)) break;
         Job *job = pool.job;
-        size_t need = scratch_floats;
-        pthread_mutex_unlock(&pool.mu);
-        float *scratch = scratch_for_thread(need);
+        float *scratch = scratch_for_thread(scratch_floats);
         if (scratch == NULL)
             __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
         else
             run_items(job, scratch);
-        pthread_mutex_lock(&pool.mu);
-        if (--pool.busy == 0) pthread_cond_signal(&pool.done);
+        if (__atomic_sub_fetch(&pool.busy, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
     }
-    pthread_mutex_unlock(&pool.mu);
     return NULL;
 }
 
@@ -245,14 +286,14 @@ static int cpus_available(void) {
 static void pool_stop(void) {
     if (pool.n == 0) return;
     pthread_mutex_lock(&pool.mu);
-    pool.stopping = 1;
+    __atomic_store_n(&pool.stopping, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
     for (int i = 0; i < pool.n; i++) pthread_join(pool.threads[i], NULL);
     free(pool.threads);
     pool.threads = NULL;
     pool.n = 0;
-    pool.stopping = 0;
+    __atomic_store_n(&pool.stopping, 0, __ATOMIC_RELEASE);
 }
 
 static int pool_size_wanted(void) { return want_threads > 0 ? want_threads : cpus_available(); }
@@ -274,7 +315,9 @@ static int pool_ensure(void) {
     return 0;
 }
 
-/* Run every item of ``job``: the workers and this thread take items in turn. */
+/* Run every item of ``job``: the workers and this thread take items in turn. One caller
+ * at a time (the engine's compute thread; the module's functions hold the GIL until
+ * here, and solve takes call_mu around it for callers on other threads). */
 static int pool_run(Job *job, size_t scratch_n, int parallel) {
     float *mine = scratch_for_thread(scratch_n);
     if (mine == NULL) return -1;
@@ -282,17 +325,25 @@ static int pool_run(Job *job, size_t scratch_n, int parallel) {
         run_items(job, mine);
         return job->failed ? -1 : 0;
     }
-    pthread_mutex_lock(&pool.mu);
     pool.job = job;
     scratch_floats = scratch_n;
-    pool.busy = pool.n;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.go);
+    __atomic_store_n(&pool.busy, pool.n, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool.mu);
+    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_RELEASE);
+    if (pool.sleepers > 0) pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
     run_items(job, mine);
-    pthread_mutex_lock(&pool.mu);
-    while (pool.busy > 0) pthread_cond_wait(&pool.done, &pool.mu);
-    pthread_mutex_unlock(&pool.mu);
+    uint64_t until = now_ns() + SPIN_NS;
+    while (__atomic_load_n(&pool.busy, __ATOMIC_ACQUIRE) > 0) {
+        if (now_ns() < until) {
+            relax();
+            continue;
+        }
+        pthread_mutex_lock(&pool.mu);
+        while (__atomic_load_n(&pool.busy, __ATOMIC_ACQUIRE) > 0)
+            pthread_cond_wait(&pool.done, &pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+    }
     return job->failed ? -1 : 0;
 }
 
@@ -415,12 +466,16 @@ static int solve(const Problem *pb, int isa) {
             }
         }
         Job job = {pb, groups, order, items, n_items, kn.small, kn.run_item, 0, 0};
-        /* A tiny call is not worth waking the other cores for. */
+        /* A small call is not worth waking the other cores for (a router, one row of a
+         * small projection: waking them costs tens of microseconds). */
         double work = (double)P * N * K;
-        int parallel = n_items > 1 && work >= 2.0e5;
-        if (pool_ensure() != 0) goto oom;
+        int parallel = n_items > 1 && work >= 1.0e6;
+        size_t need = kn.scratch(pb);
         Py_BEGIN_ALLOW_THREADS
-        rc = pool_run(&job, kn.scratch(pb), parallel);
+        pthread_mutex_lock(&call_mu);
+        rc = pool_ensure();
+        if (rc == 0) rc = pool_run(&job, need, parallel);
+        pthread_mutex_unlock(&call_mu);
         Py_END_ALLOW_THREADS
         if (rc != 0) goto oom;
     }

@@ -7,6 +7,9 @@
  * always-inline functions are specialized by it): 1 rounds each result to bfloat16. */
 
 #define RND(bf, v) ((bf) ? v_bf16(v) : (v))
+/* Bytes ahead of a weight row's next load to prefetch (measured: 128 is +25% at a decode
+ * step's expert shapes on the 2-core EPYC; 256 and 512 less). */
+#define PREFETCH_AHEAD 128
 #define ALWAYS SMOE_TARGET static inline __attribute__((always_inline))
 
 /* Floats of scratch one thread needs for ``pb``. */
@@ -135,6 +138,7 @@ ALWAYS void KNAME(n_lanes)(const Job *job, const Group *g, int n0, int n1, float
             vf r[VWD];
             for (int l = 0; l < VWD; l++) {
                 const uint8_t *src = wrow[t * VWD + l] + (size_t)w0 * 4;
+                __builtin_prefetch(src + PREFETCH_AHEAD);
                 if (wn == VWD) {
                     r[l] = V_LOADU((const float *)src);
                 } else { /* the row's last words, zero-padded */
@@ -185,8 +189,9 @@ ALWAYS void KNAME(n_fused)(const Job *job, const Group *g, int n0, int n1, float
     const int rw = q ? K * BITS / 32 : K;
     const int wpg = q ? pb->group * BITS / 32 : 1;
     const int G = q ? K / pb->group : 0;
-    enum { TG = 8 };
-    const int tg = MB == 1 ? TG / 2 : TG / 4; /* sub-tiles at once: 4 x 1 row or 2 x 2 rows */
+    enum { TG = 4 };
+    /* sub-tiles at once: 4 for one row, 2 for two to four rows (registers) */
+    const int tg = MB == 1 ? TG : TG / 2;
     float *wt = align16(scratch);
     float *st = align16(wt + (size_t)TG * VWD * VWD);
     float *bt = align16(st + (size_t)G * NT_MAX * VWD);
@@ -210,6 +215,8 @@ ALWAYS void KNAME(n_fused)(const Job *job, const Group *g, int n0, int n1, float
                 vf r[VWD];
                 for (int l = 0; l < VWD; l++) {
                     const uint8_t *src = wrow[(t0 + tt) * VWD + l] + (size_t)w0 * 4;
+                    /* many rows at once: the hardware prefetcher does not keep up */
+                    __builtin_prefetch(src + PREFETCH_AHEAD);
                     if (wn == VWD) {
                         r[l] = V_LOADU((const float *)src);
                     } else {
@@ -457,6 +464,7 @@ SMOE_TARGET static double KNAME(peak)(long iters) {
 
 #undef DOT_FN
 #undef MDOT_FN
+#undef PREFETCH_AHEAD
 #undef FUSED
 #undef FUSED_ALL
 #undef RND

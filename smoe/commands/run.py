@@ -46,6 +46,7 @@ async def _generate(args: argparse.Namespace) -> int:
         quiet = not engine.speaks  # rank 0 talks to the user
         prompt, templated = _generate_prompt(engine, text, args)
         _say_memory(engine, quiet)
+        preload_s = await engine.load_all() if args.preload else None
         if engine.ranks is not None and args.temp > 0 and args.seed is None:
             args.seed = await engine.from_rank0(secrets.randbits(31))  # every rank samples alike
         if args.routing_archive:
@@ -56,6 +57,8 @@ async def _generate(args: argparse.Namespace) -> int:
         stats["ring_slots"] = now.ring.slots
         stats["compute_dtype_note"] = now.compute_dtype_note  # what "equal to mlx-lm" assumes
         stats["arithmetic"] = now.arithmetic  # whose kernels (smoe.compute.native)
+        if preload_s is not None:
+            stats["preload_s"] = preload_s  # --preload: every expert read before the prompt
         stats["cpu_blas"] = blas.in_use()  # MLX's bundled BLAS, or SMOE_CPU_BLAS's
         stats["ring_bytes"] = now.ring.nbytes
         stats["slot_bytes"] = now.ring.slot_bytes  # the figure inspect and plan print
@@ -641,6 +644,12 @@ def add_generate(sub: Any) -> None:
         "--json",
         action="store_true",
         help='print one JSON object with "tokens", "text" and "stats"',
+    )
+    g.add_argument(
+        "--preload",
+        action="store_true",
+        help="read every expert into memory before the prompt, as mlx-lm and llama.cpp load "
+        "a model first (needs a ring that holds them all; default: read each on first use)",
     )
     g.add_argument(
         "--routing-archive",

@@ -186,13 +186,16 @@ def gather(
     w = module["weight"]
     m, k = x.shape[-2], x.shape[-1]
     n = w.shape[-2]
-    xb = x.shape[:-2]
-    idx = np.asarray(_host(indices), dtype=np.int64)
-    batch = np.broadcast_shapes(tuple(xb), idx.shape)
-    which = np.broadcast_to(np.arange(math.prod(xb)).reshape(xb), batch).reshape(-1)
-    experts = np.broadcast_to(idx, batch).reshape(-1)
-    rows = (which[:, None] * m + np.arange(m)).reshape(-1).astype(np.int32)
-    owners = np.repeat(experts, m).astype(np.int32)
+    xb = tuple(x.shape[:-2])
+    idx = _host(indices)
+    batch = np.broadcast_shapes(xb, idx.shape)
+    if m == 1 and xb[:-1] == idx.shape[:-1] and xb[-1:] == (1,) and batch == idx.shape:
+        # mlx-lm's unsorted call: x [..., T, 1, 1, K], indices [..., T, k]: row t, k times
+        rows = np.repeat(np.arange(math.prod(xb), dtype=np.int32), idx.shape[-1])
+    else:
+        which = np.broadcast_to(np.arange(math.prod(xb)).reshape(xb), batch).reshape(-1)
+        rows = (which[:, None] * m + np.arange(m)).reshape(-1).astype(np.int32)
+    owners = np.repeat(np.broadcast_to(idx, batch).reshape(-1), m).astype(np.int32)
     quant = "scales" in module
     bf16 = x.dtype == mx.bfloat16
     out = np.empty((rows.size, n), np.uint16 if bf16 else np.float32)

@@ -289,15 +289,15 @@ def build_runner(
         install_row_pieces(model, skip, moe_routers(model, vault))
         rules = with_float_kernel(rules, model)
     if plan.mlx_device == mx.cpu and plan.rules is None:  # every core, MLX's bits
-        not_routers = lambda path, parent: isinstance(parent, RouterTap)  # noqa: E731
         if Native.here().on and options.cpu_kernels == "auto":  # ours, else MLX's by rows
-            install_native(model, not_routers)
+            install_native(model)  # routers included (a lookahead runs its own copy)
             for block in model.modules():
                 if isinstance(block, StreamingExperts):
                     for experts in block.expert_modules():
                         install_native(experts)
         else:
             floats = blas.in_use() == blas.BUNDLED
+            not_routers = lambda path, parent: isinstance(parent, RouterTap)  # noqa: E731
             install_row_split(model, not_routers, floats)
     layers = len(vault.manifest.layers)
     o = options

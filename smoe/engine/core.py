@@ -340,6 +340,31 @@ class Engine:
             by_layer.setdefault(layer, []).append(expert)
         return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
 
+    async def load_all(self) -> float:
+        """Read every expert into a ring that holds them all, layer by layer, before any
+        request: the model then runs as in memory from its first token (as mlx-lm and
+        llama.cpp load a model first). Returns the seconds it took. Raises SmoeError where
+        the ring holds fewer experts than the model (naming the fix) or across ranks.
+        Cancelling it leaves the experts read so far in the ring."""
+        import time
+
+        from smoe.errors import SmoeError
+        from smoe.util.sizes import format_bytes
+
+        m = self.vault.manifest
+        if self.ranks is not None or self.scheduler.num_slots < m.num_records:
+            need = m.num_records * self.stats().ring.slot_bytes
+            raise SmoeError(
+                f"--preload needs a ring of every expert ({m.num_records}, "
+                f"{format_bytes(need)} of them); this one holds {self.scheduler.num_slots}: "
+                "raise --memory or leave --preload out"
+            )
+        start = time.perf_counter()
+        every = range(m.num_experts)
+        for spec in m.layers:
+            self.scheduler.release(await self.scheduler.acquire(spec.layer, every))
+        return time.perf_counter() - start
+
     def stats(self) -> EngineStats:
         """What the engine is doing now: the scheduler's counters, the ring, the read
         queues, the batch, the compute dtype. Cheap (no device work); call it any time

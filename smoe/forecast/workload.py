@@ -18,6 +18,4 @@ def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
 
 async def fill_ring(engine: Engine) -> None:
     """Read every expert into the engine's ring (which must hold them all), untimed."""
-    m = engine.vault.manifest
-    for spec in m.layers:
-        engine.scheduler.release(await engine.scheduler.acquire(spec.layer, range(m.num_experts)))
+    await engine.load_all()
