@@ -298,6 +298,18 @@ static void pool_stop(void) {
 
 static int pool_size_wanted(void) { return want_threads > 0 ? want_threads : cpus_available(); }
 
+/* A forked child has none of the parent's workers: it starts a pool of its own. */
+static void pool_forget_after_fork(void) {
+    pool.threads = NULL;
+    pool.n = 0;
+    pool.sleepers = 0;
+    pool.busy = 0;
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.go, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pthread_mutex_init(&call_mu, NULL);
+}
+
 static int pool_ensure(void) {
     int workers = pool_size_wanted() - 1;
     if (workers == pool.n) return 0;
@@ -814,4 +826,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
                                     "MLX's Linux CPU matmuls, bit for bit, vectorized and threaded.",
                                     -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+    pthread_atfork(NULL, NULL, pool_forget_after_fork);
+    return PyModule_Create(&module);
+}

@@ -4,6 +4,12 @@ the request's tokens with mlx-lm's in memory; under each staging (direct landing
 buffers) and I/O worker count, on fresh engines. Prints one JSON report.
 
     python bench/gpu/ring_check.py [--arch gpt_oss] [--bits 16] [--request 4] [--trials 2]
+                                   [--no-compile] [--configs N]
+
+mlx-lm's tokens are computed again after each engine (``mlx_lm_again``): is the in-memory
+answer itself history-dependent? ``--no-compile`` runs with ``mx.disable_compile()`` (mlx-lm's
+gpt_oss activation is ``mx.compile``-d); MLX's CUDA graphs are switched off from outside
+(``MLX_USE_CUDA_GRAPHS=0``, read once per process); bench/gpu/history.sh runs each.
 
 The case it was written for: tests/gpu/test_paths.py found gpt_oss at 16 bits giving other
 tokens than mlx-lm on a cold ring and mlx-lm's on a warm one (docs/gpu.md).
@@ -106,7 +112,11 @@ async def main() -> None:
     p.add_argument("--request", type=int, default=4)
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--no-compile", action="store_true", help="mx.disable_compile() first")
+    p.add_argument("--configs", type=int, default=4, help="the first N staging configs")
     args = p.parse_args()
+    if args.no_compile:
+        mx.disable_compile()
     from tests.gpu.gpu_common import reference
 
     root = Path(tempfile.mkdtemp())
@@ -125,14 +135,18 @@ async def main() -> None:
         ("direct", 4, True),
         ("bounce", 1, True),
         ("direct", 4, False),
-    ):
+    )[: args.configs]:
         os.environ["SMOE_STAGING"] = staging
         for trial in range(args.trials):
             r = await one(vault, want, prompt, args.tokens, forget, model, workers=workers)
             runs.append({"staging": staging, "workers": workers, "trial": trial, **r})
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     os.environ.pop("SMOE_STAGING")
-    harness.report({"arch": args.arch, "bits": args.bits, "runs": runs}, args)
+    settings = {
+        "compile": not args.no_compile,
+        "MLX_USE_CUDA_GRAPHS": os.environ.get("MLX_USE_CUDA_GRAPHS", "(default)"),
+    }
+    harness.report({"arch": args.arch, "bits": args.bits, **settings, "runs": runs}, args)
 
 
 if __name__ == "__main__":

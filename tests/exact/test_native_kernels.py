@@ -12,6 +12,9 @@ the synthesized architectures' presets. ``array_equal``, never allclose.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -293,3 +296,29 @@ def test_bad_arguments_are_errors_not_crashes():
         )
     with pytest.raises(ValueError):  # out of the wrong shape
         ext.matmul(x, w, np.empty((3, 4), np.float32), scales=sb, biases=sb, bits=4, group=64)
+
+
+def test_a_forked_child_computes_with_a_pool_of_its_own():
+    """A worker pool's threads do not survive fork: the child must start its own, not wait
+    forever on the parent's (a server's workers, multiprocessing's fork start)."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    w = rng.standard_normal((512, 1024)).astype(np.float32)
+    ext.set_threads(2)  # a call this large goes to the pool, whose worker now exists
+    want = np.empty((64, 512), np.float32)
+    ext.matmul(x, w, want)
+    pid = os.fork()
+    if pid == 0:  # the child: one call, its verdict as the exit status
+        got = np.empty_like(want)
+        ext.matmul(x, w, got)
+        os._exit(0 if np.array_equal(got.view(np.uint32), want.view(np.uint32)) else 3)
+    for _ in range(6000):  # bounds a hang (on the parent's pool), not the time taken
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the forked child hung in the kernels' pool")
+    ext.set_threads(0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
