@@ -21,7 +21,7 @@ cd "$(git rev-parse --show-toplevel)"
 PINNED="transformers==5.25.0 huggingface_hub==2.4.0 kernels==0.19.1 tomlkit httpx2==2.17.0
   httpcore2==2.17.0 truststore hf-xet==1.8.0 pytest==9.2.0
   pytest-asyncio==1.5.0 pluggy==1.7.0 iniconfig==2.3.1 uvloop==0.22.1 aiofiles==25.1.0
-  prompt_toolkit wcwidth tqdm xxhash==4.1.0"
+  prompt_toolkit wcwidth tqdm xxhash==4.1.0 greenlet==3.5.6"
 
 dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

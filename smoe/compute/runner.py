@@ -1,8 +1,10 @@
-"""Forward passes on the compute thread: chunked layer-major prefill and decode steps.
+"""Forward passes on the compute thread: layer-major prefill and decode steps.
 
-Prefill feeds the prompt in chunks of ``chunk`` tokens; within a chunk the model runs layer
-by layer, so each MoE layer sees the whole chunk's routing at once and reads the union of
-its experts once. The LM head is evaluated only where a token is sampled: the prompt's last
+Prefill feeds the prompt in chunks of ``chunk`` tokens. With ``layer_major`` (the default
+where the architecture allows it) the chunks advance together one MoE layer at a time
+(smoe.compute.prompt_pass), so each layer reads the union of the whole prompt's experts
+once; otherwise each chunk runs every layer before the next starts, and each layer reads
+the union of that chunk's experts. Every token's bits are the same either way. The LM head is evaluated only where a token is sampled: the prompt's last
 token is run on its own, as mlx-lm's generate does, and earlier chunks' logits are never
 evaluated (MLX is lazy, so they are never computed).
 """
@@ -20,6 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
+from smoe.compute.prompt_pass import PromptPass
 from smoe.compute.solo_rows import KernelRules, solo_rows
 from smoe.compute.timeline import StepTime, StepTimeline
 from smoe.compute.tracing import forward_pass
@@ -45,6 +48,9 @@ class Sequence_:
     ahead_pass: BatchPass | None = None  # the batched pass ``ahead`` is a row of, if any
     params: SamplingParams | None = None  # set by Runner.prepare (drafting reads it)
     governor: Any = None  # a DraftGovernor once Runner.step_draft has run on it
+    # A layer-major prefill under way (Runner.prefill_chunk): its chunks suspended at a
+    # MoE layer; ``cached`` counts its tokens only once it is done.
+    prompt: PromptPass | None = None
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
@@ -118,8 +124,16 @@ class Runner:
         kv_group_size: int = 64,
         drafting: Drafting | None = None,
         rules: KernelRules | None = None,
+        layer_major: bool = False,
+        pass_tokens: int = 8192,
     ) -> None:
         self.model = model
+        # Prefill layer-major over up to ``pass_tokens`` prompt tokens at a time (their
+        # activations are held together). Not with a quantized KV cache: mlx-lm converts
+        # each cache after the chunk's whole pass, which a layer-major pass interleaves.
+        self.layer_major = layer_major and kv_bits is None
+        self.layers = len(getattr(model, "layers", ())) or 1  # a prefill turn's work unit
+        self.pass_tokens = max(chunk, pass_tokens)
         self.rules = rules
         self.drafting = drafting  # prompt-lookup drafts (step_draft); None: off
         self.chunk = chunk
@@ -190,18 +204,37 @@ class Runner:
 
             maybe_quantize_kv_cache(cache, 0, self.kv_group_size, self.kv_bits)  # type: ignore[no-untyped-call]
 
-    def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
-        """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
-        out = []
-        for start in range(0, len(tokens), self.chunk):
-            piece = mx.array(list(tokens[start : start + self.chunk]))[None]
-            y, routing = self._forward(piece, cache, [cache], phase=0)
+    def _chunk_runner(self, cache: list[Any], logits: bool) -> Callable[[list[int]], Any]:
+        """One chunk's pass on ``cache``: its logits [T, V] evaluated if asked, else its
+        layers only (the LM head's output is never computed)."""
+
+        def run(piece: list[int]) -> mx.array | None:
+            y, routing = self._forward(mx.array(piece)[None], cache, [cache], phase=0)
             if logits:
                 mx.eval(y)
-                out.append(y[0])
             else:
                 mx.eval([c.state for c in cache])  # the layers, not the LM head
             self._count(routing)
+            return y[0] if logits else None
+
+        return run
+
+    def _pieces(self, tokens: Sequence[int]) -> list[list[int]]:
+        return [list(tokens[i : i + self.chunk]) for i in range(0, len(tokens), self.chunk)]
+
+    def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
+        """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
+        run = self._chunk_runner(cache, logits)
+        out: list[Any] = []
+        for start in range(0, len(tokens), self.pass_tokens):
+            part = tokens[start : start + self.pass_tokens]
+            if self.layer_major:
+                prompt = PromptPass(run, self._pieces(part))
+                while prompt.advance():
+                    pass
+                out += prompt.results()
+            else:
+                out += [run(piece) for piece in self._pieces(part)]
         return mx.concatenate(out, axis=0) if logits else None
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -233,6 +266,8 @@ class Runner:
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         self.settle(seq)
+        if seq.prompt is not None:  # re-pointed in the middle of a layer-major prefill
+            self.reset(seq)
         seq.seed, seq.params, seq.governor = params.seed, params, None
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
@@ -258,22 +293,43 @@ class Runner:
         return seq.to_prefill()
 
     def prefill_chunk(self, seq: Sequence_) -> int:
-        """Run the next chunk (up to ``chunk`` tokens) of the prompt; return how many
-        tokens ran (0: the sequence is ready to sample)."""
+        """Advance the prompt's prefill by one turn; return how many prompt tokens the
+        turn worked on (0: the sequence is ready to sample). A turn is one chunk of up to
+        ``chunk`` tokens through every layer, or, layer-major, the pass over up to
+        ``pass_tokens`` tokens advanced by as many MoE layers as make a chunk's worth of
+        work (at least one): a long prompt's turn is one layer for all its tokens. Between
+        turns nothing is pinned in the ring, so other sequences decode (the batcher
+        alternates). A failed turn resets ``seq`` and raises."""
         todo = seq.to_prefill()
         if todo == 0:
             return 0
-        piece = seq.tokens[seq.cached : seq.cached + min(todo, self.chunk)]
         try:
-            self._feed(piece, seq.cache, logits=False)
+            if not self.layer_major:
+                piece = seq.tokens[seq.cached : seq.cached + min(todo, self.chunk)]
+                self._feed(piece, seq.cache, logits=False)
+                seq.cached += len(piece)
+                return len(piece)
+            if seq.prompt is None:
+                part = seq.tokens[seq.cached : seq.cached + min(todo, self.pass_tokens)]
+                run = self._chunk_runner(seq.cache, logits=False)
+                seq.prompt = PromptPass(run, self._pieces(part))
+            tokens, work = seq.prompt.tokens, 0
+            while work < self.chunk * self.layers:
+                work += tokens
+                if not seq.prompt.advance():
+                    seq.prompt = None
+                    seq.cached += tokens
+                    break
+            return tokens
         except BaseException:
             self.reset(seq)
             raise
-        seq.cached += len(piece)
-        return len(piece)
 
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
+        if seq.prompt is not None:  # a layer-major prefill cut short: its chunks end
+            seq.prompt.close()
+            seq.prompt = None
         seq.cache, seq.cached = self.new_cache(), 0
         seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
 
@@ -286,6 +342,8 @@ class Runner:
 
     def copy(self, seq: Sequence_) -> Sequence_:
         """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
+        if seq.prompt is not None:
+            raise RuntimeError("a sequence is copied only between prefills, not during one")
         self.settle(seq)
         cache = self.new_cache()
         self._quantize(cache)  # (an empty cache: quantized iff the sequence's is)

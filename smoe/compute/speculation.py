@@ -97,7 +97,7 @@ def look_ahead(
     out = ahead if ahead is not None else tracer.routers[nxt](x)
     ranked = _ranked(out, k, max(k, recorder.depth if recorder is not None else k))
     if recorder is not None:
-        recorder.record_ahead(nxt, ranked)
+        recorder.record_ahead(nxt, ranked, current_pass().archive_batch)
     if not prefetch:
         return
     top = np.unique(ranked[:, :k]).tolist()  # a batched step: the union of the rows' guesses

@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from smoe.compute.prompt_layer import PromptLayerServing
+from smoe.compute.prompt_pass import current_chunk
 from smoe.compute.sharded import ExpertShard
 from smoe.compute.solo_rows import KernelRules, expert_call, reference_rows_of
 from smoe.compute.speculation import (
@@ -107,7 +109,7 @@ class _Seen:
     ahead: Any = None  # the next layer's router on this input (router_ahead), evaluated
 
 
-class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn: untyped
+class StreamingExperts(PromptLayerServing, nn.Module):  # type: ignore[misc, name-defined]
     """Drop-in for a SwitchGLU/SwitchMLP whose stacked parameters are ring arrays [S_b, ...].
 
     ``inners[b]`` is mlx-lm's own module (quantized like the vault) with every parameter
@@ -170,6 +172,14 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             bank, table = resident
             ref = reference_rows_of(indices.size, indices.shape[-1])
             return expert_call(self._inners[bank], x, table[indices], self._rules, ref)
+        chunk = current_chunk()
+        if chunk is not None:  # a chunk of a whole prompt: served with the others
+            idx = np.array(indices)  # this chunk's routing, from its true hidden state
+            seen = self._observe(idx) if tracer is not None else _Seen()
+            y = chunk.ask(self, x, idx)
+            if tracer is not None:
+                self._after(tracer, x, idx, seen)
+            return y
         start, waited = time.perf_counter(), self._source.wait_seconds
         ahead = self._router_ahead(tracer, x)
         if ahead is not None:
@@ -282,9 +292,11 @@ class StreamingExperts(nn.Module):  # type: ignore[misc, name-defined]  # mlx.nn
             ranking = gate_ranking(g, flat, max(record, hint))
         if tracer.observers.recorder is not None:
             if self.layer == tracer.first_layer:
-                tracer.observers.recorder.begin(flat.shape[0], state.phase)
+                state.archive_batch = tracer.observers.recorder.begin(flat.shape[0], state.phase)
             if ranking is not None:
-                tracer.observers.recorder.record(self.layer, ranking[:, :record])
+                tracer.observers.recorder.record(
+                    self.layer, ranking[:, :record], state.archive_batch
+                )
         seen = _Seen()
         if ranking is not None and hint:
             seen.hints = runner_ups(ranking, flat.shape[-1], hint)

@@ -94,6 +94,7 @@ class PassState:
     predicted: dict[int, set[int]] = field(default_factory=dict)  # lookahead, per layer
     # Routing of layers served from resident tables, counted after the pass (no sync).
     deferred: list[tuple[int, mx.array, Any]] = field(default_factory=list)
+    archive_batch: int | None = None  # this pass's batch in a routing archive being recorded
 
 
 _PASS: ContextVar[PassState | None] = ContextVar("smoe_forward_pass", default=None)

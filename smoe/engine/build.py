@@ -37,6 +37,7 @@ from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
+from smoe.models.registry import layer_major_prefill
 from smoe.parallel.watchdog import Watchdog
 from smoe.plan.options import EngineOptions
 from smoe.plan.plan import Plan
@@ -312,6 +313,7 @@ def build_runner(
         resident=lambda: slots.all_resident(layers) and not tracer.needs_routing_now(),
         drafting=Drafting.named(o.draft, o.draft_tokens) if o.draft else None,
         rules=rules,
+        layer_major=layer_major_prefill(vault.config()),
     )
 
 

@@ -8,6 +8,11 @@ architecture is small and lives here, each entry saying why:
   ``cache.offset``, ``update_and_fetch``, the module's attention function), so a batch runs
   it once with only those parts per row (smoe.compute.rowwise); others (DeepSeek-V3's
   latent attention computes on the fetched keys) run the whole module once per row;
+- ``prompt_pass``: prefill may run layer-major over the whole prompt (one read of each
+  expert per layer and prompt: smoe.compute.prompt_pass), because what a chunk computes
+  before its first layer (masks) reads only the first layer's cache, or nothing that
+  depends on the cache's fill (checked against mlx-lm's model files; a function of the
+  config where it depends on it); others prefill chunk by chunk;
 - ``source_adapter``: turns a transformers float checkpoint into the layout mlx-lm's
   ``sanitize`` reads, where the two differ;
 - ``config_fixup``: completes a normalised config.json where mlx-lm needs more;
@@ -46,6 +51,15 @@ class Architecture:
     config_fixup: Callable[[dict[str, Any]], None] | None = None
     min_layers: int = 1  # synth: DeepSeek's first layer is dense, so it needs two
     sigmoid_router: bool = False  # synth: the router scores with a sigmoid (DeepSeek-V3)
+    prompt_pass: Callable[[dict[str, Any]], bool] = lambda config: True
+
+
+def _gpt_oss_prompt_pass(config: dict[str, Any]) -> bool:
+    """gpt_oss builds its sliding-window mask from the cache of its first sliding layer,
+    and that mask depends on the cache's fill: layer-major only where that is layer 0 (its
+    full-attention mask is "causal", whatever the fill)."""
+    types = config.get("layer_types") or ["sliding_attention"]
+    return "sliding_attention" not in types or types[0] == "sliding_attention"
 
 
 def _adapt_transformers_gpt_oss(weights: dict[str, Any]) -> dict[str, Any]:
@@ -133,9 +147,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(
             "deepseek_v3", _deepseek, min_layers=2, sigmoid_router=True, batched_attention=False
         ),
-        Architecture("gpt_oss", _local_experts, source_adapter=_adapt_transformers_gpt_oss),
+        Architecture(
+            "gpt_oss",
+            _local_experts,
+            source_adapter=_adapt_transformers_gpt_oss,
+            prompt_pass=_gpt_oss_prompt_pass,
+        ),
     )
 }
+
+
+def layer_major_prefill(config: dict[str, Any]) -> bool:
+    """Whether a model of this config may prefill layer-major (``prompt_pass`` above);
+    False for an architecture S-MoE does not know."""
+    arch = architecture(str(config.get("model_type")))
+    return arch is not None and arch.prompt_pass(config)
 
 
 def architecture(model_type: str) -> Architecture | None:

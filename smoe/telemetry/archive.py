@@ -144,28 +144,34 @@ class ArchiveRecorder:
         self._ahead: list[np.ndarray] = []  # per batch: [T, L, R], NO_EXPERT where none
         self._any_ahead = False
         self._phases: list[int] = []
-        self._current: np.ndarray | None = None
-        self._current_ahead: np.ndarray | None = None
         self._phase = PREFILL
 
-    def begin(self, tokens: int, phase: int) -> None:
-        """A new batch of ``tokens`` tokens (a prefill chunk or a decode step) starts."""
+    def begin(self, tokens: int, phase: int) -> int:
+        """A new batch of ``tokens`` tokens (a prefill chunk or a decode step) starts;
+        returns its number, for ``record`` where several batches are under way at once
+        (the chunks of a layer-major prefill each record into their own)."""
         shape = (tokens, len(self.layers), self.depth)
-        self._current = np.zeros(shape, np.uint16)
-        self._current_ahead = np.full(shape, NO_EXPERT, np.uint16)
-        self._rows.append(self._current)
-        self._ahead.append(self._current_ahead)
+        self._rows.append(np.zeros(shape, np.uint16))
+        self._ahead.append(np.full(shape, NO_EXPERT, np.uint16))
         self._phases.append(phase)
+        return len(self._rows) - 1
 
-    def record(self, layer: int, ranking: np.ndarray) -> None:
-        """``ranking`` [T, >=R]: this batch's expert ids by descending gate score."""
-        if self._current is not None and ranking.shape[0] == self._current.shape[0]:
-            self._current[:, self._pos[layer], :] = ranking[:, : self.depth]
+    def _batch(self, rows: list[np.ndarray], batch: int | None) -> np.ndarray | None:
+        if not rows:
+            return None
+        return rows[-1] if batch is None else rows[batch]
 
-    def record_ahead(self, layer: int, ranking: np.ndarray) -> None:
+    def record(self, layer: int, ranking: np.ndarray, batch: int | None = None) -> None:
+        """``ranking`` [T, >=R]: batch ``batch``'s (default: the newest's) expert ids by
+        descending gate score."""
+        current = self._batch(self._rows, batch)
+        if current is not None and ranking.shape[0] == current.shape[0]:
+            current[:, self._pos[layer], :] = ranking[:, : self.depth]
+
+    def record_ahead(self, layer: int, ranking: np.ndarray, batch: int | None = None) -> None:
         """``ranking`` [T, n]: ``layer``'s experts by descending score of its router run on
         the previous MoE layer's input (this batch's tokens); places beyond n stay empty."""
-        ahead = self._current_ahead
+        ahead = self._batch(self._ahead, batch)
         if ahead is not None and ranking.shape[0] == ahead.shape[0] and layer in self._pos:
             n = min(ranking.shape[1], self.depth)
             ahead[:, self._pos[layer], :n] = ranking[:, :n]

@@ -143,19 +143,7 @@ def top_k_of(vault: Vault) -> int:
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def quantized(hf_dir, tmp_path_factory):
-    """Factory: (4-bit float32-scale vault, mlx-lm reference) per arch, converted once."""
-    cache: dict[str, tuple[Vault, object]] = {}
-
-    def get(arch: str) -> tuple[Vault, object]:
-        if arch not in cache:
-            root = tmp_path_factory.mktemp(f"exact-{arch}")
-            vault = convert(hf_dir(arch), root / "v", ConvertOptions(dtype="float32"))
-            cache[arch] = (vault, reference_model(vault, root / "mlx"))
-        return cache[arch]
-
-    return get
+# (the ``quantized`` fixture: tests/exact/conftest.py)
 
 
 # --------------------------------------------------------------------------- 1. vs mlx-lm
@@ -262,10 +250,16 @@ def calls_and_reads(log: list) -> list[tuple[int, np.ndarray, list[int]]]:
     """Split a log of ("call", layer, routing) and ("read", record) entries into one
     (layer, routing, records read) per streamed call. The tracer's on_routing runs on the
     compute thread before the call asks for slots, and the call's reads all finish before
-    it continues, so every read falls between its call's entry and the next one."""
+    it continues, so every read falls between its call's entry and the next one. A
+    layer-major prefill logs each chunk's routing at a layer, then the layer's reads for
+    all of them: consecutive entries of one layer are one call (their routing stacked)."""
     calls: list[tuple[int, np.ndarray, list[int]]] = []
     for entry in log:
         if entry[0] == "call":
+            if calls and calls[-1][0] == entry[1] and not calls[-1][2]:
+                layer, idx, reads = calls.pop()
+                calls.append((layer, np.concatenate([idx, entry[2]]), reads))
+                continue
             calls.append((entry[1], entry[2], []))
         else:
             assert calls, "a read before any streamed call"
@@ -464,10 +458,13 @@ async def test_a_prefill_call_reports_its_timeline(quantized):
 
 
 @pytest.mark.asyncio
-async def test_prefill_reads_each_chunks_union_once(quantized):
-    """With a top-k ring the prompt's bytes are exactly stride x the sum over (chunk, layer)
-    of the chunk's distinct experts, and each streamed call reads exactly its union, each
-    record once. With a ring that holds every expert, each is read once per prompt."""
+async def test_prefill_reads_each_layers_union_once_per_prompt(quantized):
+    """Layer-major prefill: each MoE layer's call covers the whole prompt (its chunks
+    advance together), reads exactly the union of all its tokens' experts, each record
+    once, in waves where the ring is smaller. So with a top-k ring the prompt's bytes are
+    stride x the sum over layers of the prompt's distinct experts; with a ring that holds
+    every expert, each is read once per prompt. Chunk by chunk (an architecture not known
+    to allow layer-major) each chunk reads its own union again."""
     vault, _ = quantized("qwen3_moe")
     m = vault.manifest
     stride, n = m.record.stride, len(m.layers)
@@ -475,12 +472,10 @@ async def test_prefill_reads_each_chunks_union_once(quantized):
     prompt = _prompt(150, seed=4)  # chunks of 64, 64, 22
 
     stats, traces, calls = await logged_logits(vault, prompt, slots=top_k_of(vault))
-    assert [t.tokens for t in traces] == [64] * n + [64] * n + [22] * n
+    assert [t.tokens for t in traces] == [150] * n  # one call a layer, every chunk's tokens
     assert any(t.waves > 1 for t in traces)
-    # Nothing is retained between calls, whatever the eviction policy: the ring has top_k
-    # slots and every call needs at least top_k distinct experts of its own layer (each token
-    # picks top_k distinct ones), so its first wave replaces the whole ring. Between two
-    # visits of a layer another layer's call runs, so every request is a miss.
+    for t in traces:  # every wave's experts once: the union, read in waves of the ring
+        assert sum(w.experts for w in t.wave_times) == t.unique_experts
     unique = sum(t.unique_experts for t in traces)
     assert stats.hits == 0
     assert stats.misses == unique
@@ -488,13 +483,24 @@ async def test_prefill_reads_each_chunks_union_once(quantized):
     for layer, idx, reads in calls:
         assert sorted(reads) == sorted(m.record_index(layer, int(e)) for e in np.unique(idx))
 
-    # Every expert fits: each (layer, expert) the prompt routes to is read exactly once.
+    # Every expert fits: each (layer, expert) the prompt routes to is read exactly once,
+    # and once per layer is now all there is: no hits, the union is the call.
     stats, traces, calls = await logged_logits(vault, prompt)
     keys = {(layer, int(e)) for layer, idx, _ in calls for e in np.unique(idx)}
     reads = [r for *_, rs in calls for r in rs]
     assert sorted(reads) == sorted(m.record_index(*k) for k in keys)
     assert stats.misses == len(keys) and stats.bytes_read() == stride * len(keys)
-    assert stats.hits == sum(t.unique_experts for t in traces) - len(keys) > 0
+    assert sum(t.unique_experts for t in traces) == len(keys)
+
+    # Chunk by chunk, the same prompt reads more: each chunk's union again.
+    async with Engine.open(vault.path, slots=top_k_of(vault)) as engine:
+        engine.debug.runner.layer_major = False
+        await engine.logits(prompt)
+        chunked = engine.stats().scheduler
+        traces = engine.debug.tracer.counters.calls
+    assert [t.tokens for t in traces] == [64] * n + [64] * n + [22] * n
+    assert chunked.bytes_read() == stride * sum(t.unique_experts for t in traces)
+    assert chunked.bytes_read() > stride * unique
 
 
 @pytest.mark.asyncio
@@ -681,7 +687,21 @@ async def test_resident_routing_is_counted_as_the_streaming_path_counts_it(quant
             )
     (pop_s, uniq_s, calls_s), (pop_r, uniq_r, calls_r) = counted["streaming"], counted["resident"]
     assert pop_s.sum() > 0 and np.array_equal(pop_s, pop_r)
-    assert uniq_s == uniq_r and calls_s == calls_r
+
+    # Decode: the same call per layer and step. Prefill (69 tokens): a streamed layer is
+    # one layer-major call for the whole prompt, a layer served from device tables one call
+    # per chunk (64, 5); either way each layer counts the prompt's 69 tokens.
+    def split(counted_calls):  # (prefill tokens per layer, decode calls)
+        first_decode = next(i for i, c in enumerate(counted_calls) if c[1] == 1)
+        per_layer = Counter()
+        for layer, tokens, _ in counted_calls[:first_decode]:
+            per_layer[layer] += tokens
+        return per_layer, counted_calls[first_decode:]
+
+    (prefill_s, decode_s), (prefill_r, decode_r) = split(calls_s), split(calls_r)
+    assert prefill_s == prefill_r == {spec.layer: 69 for spec in m.layers}
+    assert decode_s == decode_r and len(decode_s) >= len(m.layers) * (DECODE_STEPS - 1)
+    assert uniq_r >= uniq_s > 0
 
 
 @pytest.mark.asyncio

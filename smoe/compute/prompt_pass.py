@@ -1,0 +1,134 @@
+"""Layer-major prefill over a whole prompt: each MoE layer's experts read once per prompt.
+
+The prompt runs as chunks, each chunk its own model call (mlx-lm's code, unchanged), each
+in a greenlet on the compute thread. A streamed MoE layer met inside a chunk hands its
+input and routing to the pass and suspends (``ask``); once every chunk has reached that
+layer, the pass serves the layer for all of them at once (the union of their experts read
+once, in waves where the ring is smaller: ``StreamingExperts.serve_prompt_layer``), then
+resumes the chunks in order, each up to its next MoE layer.
+
+Why the bits do not change: at every layer the chunks run their attention in prompt order,
+each after the previous chunk has put its keys and values in that layer's cache, so each
+chunk sees the cache it sees in chunk-by-chunk prefill and makes the same calls; each
+chunk's expert call is computed with its own call's shape and kernels (waves as
+``StreamingExperts`` computes them). What a chunk computes before its first MoE layer
+(embedding, masks) reads the first layer's cache, which the earlier chunks have filled
+by then (``layer_major_prefill`` in smoe.models.registry says where that holds).
+
+Between two ``advance`` calls the pass holds no ring slot: other sequences may decode.
+Everything here runs on one thread (greenlets cannot cross threads).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+from greenlet import GreenletExit, greenlet
+
+
+class PromptLayer(Protocol):
+    """A MoE layer that can serve several chunks' calls at once (StreamingExperts)."""
+
+    layer: int
+
+    def serve_prompt_layer(self, calls: list[tuple[mx.array, mx.array]]) -> list[mx.array]:
+        """Each (x [..., D], indices [..., k]) call's output [..., k, D], in order."""
+        ...
+
+
+@dataclass
+class _Ask:
+    """A chunk suspended at a MoE layer, waiting for that layer's output."""
+
+    module: PromptLayer
+    x: mx.array
+    indices: mx.array
+
+
+class _Chunk(greenlet):  # type: ignore[misc]  # greenlet's stubs: subclassing is untyped
+    """One chunk's model call, suspended at each streamed MoE layer."""
+
+    def ask(self, module: PromptLayer, x: mx.array, indices: mx.array) -> mx.array:
+        """Suspend until the pass has served ``module`` for every chunk; its output."""
+        out = self.parent.switch(_Ask(module, x, indices))
+        assert isinstance(out, mx.array)
+        return out
+
+
+def current_chunk() -> _Chunk | None:
+    """The chunk of a prompt pass running now, if any (a MoE layer then asks it)."""
+    g = greenlet.getcurrent()
+    return g if isinstance(g, _Chunk) else None
+
+
+class PromptPass:
+    """The chunks of one prompt, advanced one MoE layer at a time.
+
+    ``run_chunk(piece)`` runs one chunk's model call (its KV appended to the cache the
+    caller gave it) and returns what the caller wants of it (logits, or None). ``advance``
+    runs until every chunk has been served one more MoE layer, or has finished; ``done``
+    says whether all have, and ``results`` gives their return values in order. A failure
+    in any chunk ends the pass (``close``) and is raised from ``advance``; the caller's
+    cache is then out of step and must be reset."""
+
+    def __init__(self, run_chunk: Callable[[list[int]], Any], pieces: Sequence[list[int]]):
+        self._run_chunk = run_chunk
+        self._pieces = [list(p) for p in pieces]
+        self._chunks: list[_Chunk] = []
+        self._asks: list[_Ask | None] = []
+        self._results: list[Any] = [None] * len(self._pieces)
+        self.layers_served = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p) for p in self._pieces)
+
+    @property
+    def done(self) -> bool:
+        return len(self._chunks) == len(self._pieces) and all(a is None for a in self._asks)
+
+    def results(self) -> list[Any]:
+        assert self.done
+        return self._results
+
+    def advance(self) -> bool:
+        """One step: start the chunks (first call), or serve the layer they wait at and
+        resume them in order. Returns True while chunks remain suspended."""
+        try:
+            if not self._chunks:
+                for i, piece in enumerate(self._pieces):
+                    chunk = _Chunk(self._run_chunk)
+                    chunk.gr_context = contextvars.copy_context()  # the caller's settings
+                    self._chunks.append(chunk)
+                    self._asks.append(self._settle(i, chunk.switch(piece)))
+                return not self.done
+            waiting = [(i, a) for i, a in enumerate(self._asks) if a is not None]
+            module = waiting[0][1].module
+            if any(a.module is not module for _, a in waiting) or len(waiting) != len(self._chunks):
+                raise RuntimeError("the chunks of a prompt pass left step with each other")
+            outs = module.serve_prompt_layer([(a.x, a.indices) for _, a in waiting])
+            self.layers_served += 1
+            for (i, _), out in zip(waiting, outs, strict=True):
+                self._asks[i] = self._settle(i, self._chunks[i].switch(out))
+            return not self.done
+        except BaseException:
+            self.close()
+            raise
+
+    def _settle(self, i: int, what: Any) -> _Ask | None:
+        """A chunk's switch came back: suspended at a layer (its ask), or finished."""
+        if isinstance(what, _Ask) and not self._chunks[i].dead:
+            return what
+        self._results[i] = what
+        return None
+
+    def close(self) -> None:
+        """End every suspended chunk (its forward pass's state is dropped)."""
+        for chunk in self._chunks:
+            if not chunk.dead:
+                chunk.throw(GreenletExit)  # unwinds it; GreenletExit is not re-raised here
+        self._asks = [None] * len(self._chunks)

@@ -1,0 +1,92 @@
+"""PromptPass with fake layers: the order chunks run in, and what a failure leaves."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from smoe.compute.prompt_pass import PromptPass, current_chunk
+from smoe.models.registry import layer_major_prefill
+
+
+class FakeMoE:
+    """A MoE layer that logs who asks and serves each chunk x + layer."""
+
+    def __init__(self, layer: int, log: list, fail_at: tuple[int, int] | None = None):
+        self.layer, self.log, self.fail_at = layer, log, fail_at
+
+    def __call__(self, chunk_id: int, x: mx.array) -> mx.array:
+        self.log.append(("attention", self.layer, chunk_id))
+        chunk = current_chunk()
+        assert chunk is not None
+        return chunk.ask(self, x, mx.array([chunk_id]))
+
+    def serve_prompt_layer(self, calls):
+        ids = [int(indices.item()) for _, indices in calls]
+        self.log.append(("serve", self.layer, tuple(ids)))
+        if self.fail_at is not None and self.fail_at[0] == self.layer:
+            raise OSError("a read failed")
+        return [x + self.layer for x, _ in calls]
+
+
+def model_of(layers: list[FakeMoE], log: list):
+    def run(piece: list[int]) -> int:
+        chunk_id = piece[0]
+        x = mx.array(0)
+        try:
+            for layer in layers:
+                x = layer(chunk_id, x)
+            return int(x.item()) + chunk_id * 100
+        finally:
+            log.append(("end", chunk_id))
+
+    return run
+
+
+def test_chunks_run_each_layer_in_prompt_order_and_are_served_together():
+    log: list = []
+    layers = [FakeMoE(i, log) for i in range(3)]
+    p = PromptPass(model_of(layers, log), [[0, 0], [1], [2, 2, 2]])
+    assert p.tokens == 6 and not p.done
+    steps = 0
+    while p.advance():
+        steps += 1
+    assert steps == 3 and p.done and p.layers_served == 3
+    assert p.results() == [0 + 3, 100 + 3, 200 + 3]  # 0 + 1 + 2 from the layers
+    want = []
+    for layer in range(3):
+        want += [("attention", layer, c) for c in range(3)]
+        want.append(("serve", layer, (0, 1, 2)))
+    want += [("end", 0), ("end", 1), ("end", 2)]
+    assert log == want
+
+
+def test_a_failure_ends_every_chunk_and_is_raised():
+    log: list = []
+    layers = [FakeMoE(0, log), FakeMoE(1, log, fail_at=(1, 0))]
+    p = PromptPass(model_of(layers, log), [[0], [1]])
+    assert p.advance()  # started: every chunk waits at layer 0
+    assert p.advance()  # layer 0 served: every chunk waits at layer 1
+    with pytest.raises(OSError, match="a read failed"):
+        p.advance()
+    assert ("end", 0) in log and ("end", 1) in log  # each chunk unwound (its finally ran)
+    assert p.done
+
+
+def test_a_model_without_moe_layers_finishes_at_the_first_step():
+    p = PromptPass(lambda piece: sum(piece), [[1, 2], [3]])
+    assert not p.advance()
+    assert p.results() == [3, 3]
+    assert current_chunk() is None  # outside any chunk
+
+
+def test_which_architectures_prefill_layer_major():
+    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"):
+        assert layer_major_prefill({"model_type": arch})
+    assert layer_major_prefill({"model_type": "gpt_oss"})  # sliding first, as published
+    sliding_second = {
+        "model_type": "gpt_oss",
+        "layer_types": ["full_attention", "sliding_attention"],
+    }
+    assert not layer_major_prefill(sliding_second)  # its window mask reads layer 1's fill
+    assert not layer_major_prefill({"model_type": "llama"})  # not known: chunk by chunk
