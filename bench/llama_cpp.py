@@ -186,13 +186,13 @@ def llama_source(a: argparse.Namespace) -> Path:
 
 def llama_build(a: argparse.Namespace) -> Path:
     """The folder of the built tools: reused if they are there, else cmake-built."""
-    bindir = a.llama_dir / "build" / "bin"
+    build = a.llama_dir / a.build_dir
+    bindir = build / "bin"
     if not a.rebuild and all((bindir / t).exists() for t in LLAMA_TOOLS):
         return bindir
     src = llama_source(a)
-    build = a.llama_dir / "build"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    run(["cmake", "-S", src, "-B", build, *gen, *CMAKE_FLAGS])
+    run(["cmake", "-S", src, "-B", build, *gen, *CMAKE_FLAGS, *a.cmake_arg])
     run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *LLAMA_TOOLS])
     return bindir
 
@@ -527,6 +527,18 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--rebuild", action="store_true", help="rebuild llama.cpp even if its tools exist"
+    )
+    p.add_argument(
+        "--build-dir",
+        default="build",
+        help="llama.cpp's build folder inside --llama-dir (default %(default)s)",
+    )
+    p.add_argument(
+        "--cmake-arg",
+        action="append",
+        default=[],
+        help="one more cmake -D setting, after ours (repeatable), e.g. "
+        "--cmake-arg=-DGGML_NATIVE=OFF --cmake-arg=-DGGML_AVX2=ON",
     )
     p.add_argument(
         "--models",

@@ -10,8 +10,9 @@ count) and the compute time per token (decode with every expert resident: no I/O
 physical limit for a budget is max(bytes missed per token / raw bandwidth, compute per
 token): no engine can beat both the disk and the arithmetic.
 
-prefill: time to first token and prefill tok/s for a long prompt at each budget, with the
-bytes read and the distinct experts per (chunk, layer).
+prefill: time to first token and prefill tok/s for prompts of several lengths at each
+budget, with the bytes read against the bytes of each layer's union over the whole prompt
+(reading each expert once per layer and prompt), layer-major and/or chunk by chunk.
 """
 
 from __future__ import annotations
@@ -153,42 +154,119 @@ async def bench_decode(
     }
 
 
+class _PhaseReads:
+    """A read backend that adds each read's bytes to the phase of the pass that routed
+    last (0: the prompt's layer-major pass, 1: a decode step, the first token's included):
+    every read of a streamed call follows its routing and ends before the pass goes on."""
+
+    def __init__(self, inner: Any, phase: list[int], bytes_by_phase: list[int]) -> None:
+        self.inner, self.phase, self.bytes_by_phase = inner, phase, bytes_by_phase
+
+    async def read(self, record: int, slot: int, priority: int = 0) -> int:
+        phase = self.phase[0]
+        n = await self.inner.read(record, slot, priority)
+        self.bytes_by_phase[phase] += n
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _prefill_once(
+    vault: Vault, slots: int, prompt: list[int], workers: int, layer_major: bool, **options: Any
+) -> dict[str, Any]:
+    """One fresh engine prefills ``prompt`` and samples its first token: its stats, the
+    bytes of the prompt's pass (all but its last token) and of the first token's step, the
+    records of the pass's per-layer unions, the ring, direct reads, and whether it ran
+    layer-major."""
+    from smoe.compute.tracing import current_pass
+
+    union: dict[int, set[int]] = {}
+    phase, by_phase = [0], [0, 0]
+
+    def seen(layer: int, idx: Any) -> None:
+        phase[0] = current_pass().phase
+        if phase[0] == 0:
+            union.setdefault(layer, set()).update(int(e) for e in idx.reshape(-1))
+
+    context = len(prompt) + 8
+    async with Engine.open(
+        vault.path, slots=slots, workers=workers, max_context=context, **options
+    ) as engine:
+        runner = engine.debug.runner
+        runner.layer_major = runner.layer_major and layer_major
+        engine.debug.tracer.observers.on_routing = seen
+        engine.debug.scheduler.wrap_backend(lambda inner: _PhaseReads(inner, phase, by_phase))
+        stats = None
+        async for ev in engine.generate(prompt, max_tokens=1, stop_at_eos=False):
+            stats = ev.stats or stats
+        return {
+            "stats": stats,
+            "pass_bytes": by_phase[0],
+            "first_step_bytes": by_phase[1],
+            "union_records": sum(len(experts) for experts in union.values()),
+            "ring": engine.ring,
+            "direct": engine.reader.direct,
+            "layer_major": runner.layer_major,
+        }
+
+
 async def bench_prefill(
     vault_path: str,
     budgets: list[str],
-    prompt_tokens: int = 256,
+    prompt_tokens: int | list[int] = 256,
     workers: int = 4,
     seed: int = 0,
     device: str | None = None,
     ring: str = "auto",
+    schedules: list[str] | None = None,
 ) -> dict[str, Any]:
+    """Each (prompt length, budget, schedule) in a fresh engine: the first token's time and
+    the prompt's bytes against the bytes of each layer's union over the whole prompt (what
+    reading each expert once per layer and prompt reads). ``schedules``: "layer" (the
+    engine's layer-major prefill, where the architecture allows it) and/or "chunk" (each
+    chunk through every layer, as before it)."""
     vault = Vault.open(vault_path)
-    prompt = random_prompt(vault, prompt_tokens, seed)
+    stride = vault.manifest.record.stride
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     rows = []
-    for budget in budgets:
-        slots = budget_slots(vault, budget)
-        stats, _, the_ring, direct = await _run(
-            vault, slots, prompt, 1, workers, device=device, ring=ring
-        )
-        rows.append(
-            {
-                "budget": budget,
-                "ring_slots": slots,
-                "ttft_s": round(stats.ttft_s, 4),
-                "prefill_tok_s": round(stats.prefill_tok_s, 2),
-                "prefill_bytes": stats.prefill_bytes,
-                "bytes_per_prompt_token": int(stats.prefill_bytes / prompt_tokens),
-                "unique_experts_per_chunk_layer_sum": stats.prefill_unique_experts,
-                "hit_rate": round(stats.hit_rate, 4),
-                "ring": the_ring.kind,
-                "huge_pages": getattr(the_ring, "huge_pages", None),
-                "direct_io": direct,
-            }
-        )
+    for length in lengths:
+        prompt = random_prompt(vault, length, seed)
+        for budget in budgets:
+            slots = budget_slots(vault, budget)
+            for schedule in schedules or ["layer"]:
+                run = await _prefill_once(
+                    vault, slots, prompt, workers, schedule == "layer", device=device, ring=ring
+                )
+                stats, union = run["stats"], run["union_records"] * stride
+                rows.append(
+                    {
+                        "prompt_tokens": length,
+                        "budget": budget,
+                        "ring_slots": slots,
+                        "schedule": "layer" if run["layer_major"] else "chunk",
+                        "ttft_s": round(stats.ttft_s, 4),
+                        "prefill_tok_s": round(stats.prefill_tok_s, 2),
+                        # the pass over all but the last prompt token, against the bytes of
+                        # its per-layer unions (each expert once per layer and prompt)
+                        "pass_bytes": run["pass_bytes"],
+                        "union_bytes": union,
+                        "bytes_over_union": round(run["pass_bytes"] / union, 4),
+                        # the last prompt token's step, run alone as mlx-lm runs it
+                        "first_step_bytes": run["first_step_bytes"],
+                        "prefill_bytes": stats.prefill_bytes,
+                        "bytes_per_prompt_token": int(stats.prefill_bytes / length),
+                        "unique_experts_per_call_sum": stats.prefill_unique_experts,
+                        "hit_rate": round(stats.hit_rate, 4),
+                        "ring": run["ring"].kind,
+                        "huge_pages": getattr(run["ring"], "huge_pages", None),
+                        "direct_io": run["direct"],
+                    }
+                )
     return {
         "benchmark": "prefill",
         "vault": str(vault.path),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": lengths,
         "workers": workers,
         "runs": rows,
     }

@@ -148,11 +148,20 @@ def cmd_bench_limits(args: argparse.Namespace) -> int:
             )
         else:
             print(
-                f"{r['budget']:>6} ({r['ring_slots']} slots): first token {r['ttft_s']:.2f} s, "
-                f"{r['prefill_tok_s']:.1f} tok/s, read {format_bytes(r['prefill_bytes'])}",
+                f"{r['prompt_tokens']:>6} tokens, {r['budget']:>6} ({r['ring_slots']} slots), "
+                f"{r['schedule']}: first token {r['ttft_s']:.2f} s, "
+                f"{r['prefill_tok_s']:.1f} tok/s, read {format_bytes(r['prefill_bytes'])} "
+                f"({r['bytes_over_union']:.2f}x the prompt's per-layer unions)",
                 file=sys.stderr,
             )
     return 0
+
+
+def parse_count(text: str, flag: str) -> int:
+    """A positive whole number from a comma list, or SmoeError naming the flag."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SmoeError(f"{flag}: {text!r} is not a positive whole number; e.g. {flag} 1024,4096")
+    return int(text)
 
 
 def _measure_limits(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,11 +186,16 @@ def _measure_limits(args: argparse.Namespace) -> dict[str, Any]:
                 read_parts=args.read_parts,
             )
         )
+    lengths = args.lengths or str(args.prompt_tokens)
+    schedules = args.schedules.split(",")
+    if not schedules or set(schedules) - {"layer", "chunk"}:
+        raise SmoeError(f"--schedules {args.schedules}: use layer, chunk or layer,chunk")
     return run(
         bench_prefill(
             str(args.vault),
             budgets,
-            prompt_tokens=args.prompt_tokens,
+            prompt_tokens=[parse_count(n, "--lengths") for n in lengths.split(",")],
+            schedules=schedules,
             workers=args.workers,
             seed=args.seed,
             device=args.device,
@@ -363,6 +377,19 @@ def _add_bench_limits(bsub: Any) -> None:
             action="store_false",
             help="do not prefetch the next layer's predicted experts (decode only)",
         )
+        if name == "prefill":
+            bd.add_argument(
+                "--lengths",
+                default=None,
+                help="comma list of prompt lengths, each a row per budget (default: "
+                "--prompt-tokens)",
+            )
+            bd.add_argument(
+                "--schedules",
+                default="layer",
+                help="comma list of layer (layer-major over the whole prompt, the engine's) "
+                "and chunk (each chunk through every layer, as before) (default layer)",
+            )
         bd.add_argument(
             "--plot",
             type=Path,

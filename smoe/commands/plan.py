@@ -71,6 +71,16 @@ def render(plan: dict[str, Any]) -> str:
         rows.append(("fit", f"does not fit: smallest budget {plan['smallest_memory']}"))
         return _table(rows)
     rows.append(("fit", plan["line"]))
+    pp = plan["prompt_pass"]
+    rows.append(
+        (
+            "prompt pass",
+            f"up to {pp['tokens']} tokens a pass, each layer's experts read once a pass "
+            f"({format_bytes(pp['bytes'])} of activations, in working)"
+            if pp["layer_major"]
+            else "chunk by chunk (this architecture is not known to allow layer-major)",
+        )
+    )
     d = plan["disk"]
     cached = " (cached)" if d.get("cached") else ""
     rows.append(

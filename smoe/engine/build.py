@@ -39,6 +39,7 @@ from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.models.registry import layer_major_prefill
 from smoe.parallel.watchdog import Watchdog
+from smoe.plan.budget import pass_tokens
 from smoe.plan.options import EngineOptions
 from smoe.plan.plan import Plan
 from smoe.plan.ring import current_device
@@ -314,6 +315,7 @@ def build_runner(
         drafting=Drafting.named(o.draft, o.draft_tokens) if o.draft else None,
         rules=rules,
         layer_major=layer_major_prefill(vault.config()),
+        pass_tokens=pass_tokens(plan.max_context, o.prefill_chunk),
     )
 
 

@@ -23,6 +23,7 @@ from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.forecast.probe import probe_compute, recorded_compute
 from smoe.forecast.speed import Shape, forecast, routing_probabilities
 from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
+from smoe.models.registry import layer_major_prefill
 from smoe.plan.budget import (
     KV_STEP,
     Attention,
@@ -30,6 +31,8 @@ from smoe.plan.budget import (
     backbone_bytes,
     budget_parts_for,
     fit,
+    pass_bytes,
+    pass_tokens,
     pick_context,
     suggest_at_least,
 )
@@ -304,6 +307,12 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         out |= {"fits": False, "fit": None, "why": str(e)}
         return out
     out |= {"fits": True, "fit": budget.to_json(), "line": budget.line()}
+    tokens = pass_tokens(context, o.prefill_chunk)
+    out["prompt_pass"] = {  # a layer-major prefill: its tokens and what they hold
+        "tokens": tokens,
+        "bytes": pass_bytes(attn, int(dtype.size), tokens),
+        "layer_major": layer_major_prefill(subject.config),
+    }
     out["disk"] = disk = await _probe_disk(subject, o)
     q, source = routing_probabilities(s, subject.popularity)
     out["routing"] = source

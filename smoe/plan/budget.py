@@ -16,7 +16,9 @@ formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's it
 - working: the Python + MLX + mlx-lm runtime (measured, ``RUNTIME_BYTES``), a prefill
   chunk's activations and attention scores, the logits of a batch, one layer's KV growing
   (mlx-lm concatenates the old cache with a new step), all times MLX's buffer cache
-  (``ALLOCATOR_SLACK``: freed buffers are kept for the next pass).
+  (``ALLOCATOR_SLACK``: freed buffers are kept for the next pass); and what a layer-major
+  prefill pass holds across its chunks (``pass_bytes`` for ``pass_tokens``: the context,
+  at most 4,096 tokens).
 - ring: what remains, in whole slots, at most every expert, at least one layer's top-k.
 """
 
@@ -132,6 +134,7 @@ class Attention:
     max_context: int  # the model's max_position_embeddings (4096 if unstated)
     kv_width: int = 0  # K+V elements per token and layer (kv_elements; 0: 2 x kv_heads x head_dim)
     kv_group: int = 64  # a quantized cache's group (kv_group_size; 0: cannot be quantized)
+    top_k: int = 1  # experts per token (1: a dense model)
 
     @property
     def kv_per_token(self) -> int:
@@ -154,6 +157,7 @@ class Attention:
             hidden=int(config.get("hidden_size", 0)),
             vocab=int(config.get("vocab_size", 0)),
             intermediate=max(int(config.get("intermediate_size") or 0), expert),
+            top_k=top_k,
             max_context=int(config.get("max_position_embeddings") or 4096),
             kv_width=kv_elements(config),
             kv_group=group,
@@ -212,6 +216,24 @@ def kv_bytes(
     return sequences * per_sequence
 
 
+# The most prompt tokens one layer-major prefill pass holds (smoe.compute.prompt_pass): a
+# longer prompt runs in passes of this many, each reading a layer's experts once.
+PASS_TOKENS = 4096
+
+
+def pass_tokens(context: int, chunk: int) -> int:
+    """Prompt tokens one layer-major pass holds: the context (a prompt fills at most all
+    but one of it), at most PASS_TOKENS, rounded up to whole chunks."""
+    return max(chunk, -(-min(context, PASS_TOKENS) // chunk) * chunk)
+
+
+def pass_bytes(attn: Attention, dsize: int, tokens: int) -> int:
+    """What a layer-major pass over ``tokens`` prompt tokens holds at once beside one
+    chunk's activations: each token's residual stream, its normed input at the MoE layer
+    and its top-k expert outputs (kept until the layer's last wave) [T, (2 + k), D]."""
+    return tokens * (2 + attn.top_k) * attn.hidden * dsize
+
+
 def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
     """Working memory beside the backbone, KV and ring (module docstring)."""
     # [chunk, hidden] residual stream, norms, q/k/v/o and the MLP's gate/up/act for a chunk
@@ -219,7 +241,8 @@ def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: 
     scores = 2 * attn.heads * chunk * kv_capacity(context) * 4  # float32 scores + softmax
     logits = 2 * batch * attn.vocab * 4  # float32 logits and their log-softmax
     growth = kv_bytes(attn, dsize, context) // max(1, attn.layers)  # one layer's concatenate
-    return RUNTIME_BYTES + int(ALLOCATOR_SLACK * (activations + scores + logits + growth))
+    prompt = pass_bytes(attn, dsize, pass_tokens(context, chunk))  # a layer-major prefill
+    return RUNTIME_BYTES + int(ALLOCATOR_SLACK * (activations + scores + logits + growth) + prompt)
 
 
 @dataclass(frozen=True)

@@ -220,8 +220,14 @@ def test_every_preset_shape_bits_equal_mlx():
         assert same(native.linear(ext, x, w), x @ w.T), (n, k)
 
 
+@pytest.fixture
+def every_call(monkeypatch):
+    """The kernels take calls of any size (the engine leaves small ones to MLX)."""
+    monkeypatch.setattr(native, "MIN_MACS", 0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_wrapped_layers_equal_the_layers(dtype):
+def test_the_wrapped_layers_equal_the_layers(dtype, every_call):
     """NativeLinear, NativeEmbedding (a tied head) and mlx-lm's SwitchGLU (biases, as
     gpt_oss's) with NativeSwitchLinear projections give their inner layers' bits."""
     from mlx_lm.models.switch_layers import SwitchGLU
@@ -253,7 +259,7 @@ def test_the_wrapped_layers_equal_the_layers(dtype):
         assert same(wrapped(x[:1, :tokens], idx), glu(x[:1, :tokens], idx)), tokens
 
 
-def test_a_kind_whose_bits_differ_runs_mlx_and_says_so(monkeypatch):
+def test_a_kind_whose_bits_differ_runs_mlx_and_says_so(monkeypatch, every_call):
     """Where the check against MLX fails for a kind of call (another MLX, another BLAS),
     the layer runs MLX's own kernel and the start line names the kind."""
     here = Native(ext, None)
@@ -266,6 +272,33 @@ def test_a_kind_whose_bits_differ_runs_mlx_and_says_so(monkeypatch):
     x = mx.ones((1, 64))
     assert same(NativeLinear(lin)(x), lin(x)) and calls
     assert "MLX's own for float32 matmul" in here.describe()
+
+
+def test_small_calls_run_mlxs_kernel_and_large_ones_ours(monkeypatch):
+    """A call under MIN_MACS multiply-adds stays MLX's (handing it over costs a graph
+    evaluation its saving does not repay); a larger one is ours. The bits are MLX's both
+    ways."""
+    handed = []
+
+    class Counting:  # the extension, its matmul calls counted
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def matmul(self, *args, **kw):
+            handed.append(args[0].shape)
+            return ext.matmul(*args, **kw)
+
+    here = Native(Counting(), None)
+    monkeypatch.setattr(Native, "here", staticmethod(lambda: here))
+    small, large = nn.Linear(256, 256, bias=False), nn.Linear(1024, 512, bias=False)
+    x_small, x_large = mx.ones((1, 256)), mx.ones((1, 1024))
+    assert 256 * 256 < native.MIN_MACS <= 1024 * 512
+    NativeLinear(large)(x_large)  # the kind's first call: checked against MLX first
+    handed.clear()
+    assert same(NativeLinear(small)(x_small), small(x_small)) and not handed
+    assert same(NativeLinear(large)(x_large), large(x_large)) and handed == [(1, 1024)]
+    assert same(NativeLinear(small)(mx.ones((8, 256))), small(mx.ones((8, 256))))
+    assert handed[-1] == (8, 256)  # 8 rows: 2^19 multiply-adds
 
 
 def test_an_instruction_set_this_cpu_lacks_is_refused():

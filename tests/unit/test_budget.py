@@ -243,11 +243,13 @@ def test_the_cli_refuses_with_one_line_naming_the_smallest(vault):
     assert "smallest that works is --memory" in lines[0]
 
 
-def test_a_generation_stays_within_its_budget(vault):
-    """Peak RSS of a whole `smoe generate` process (a long prompt: chunked prefill, KV, the
-    ring) stays within the --memory the budget accepted, the smallest one included, with
-    the context budgeted tight (512: its attention scores are those of a full cache)."""
-    needs = _needs(vault, max_batch=1, max_context=512)
+@pytest.mark.parametrize(("context", "prompt_tokens"), [(512, 300), (4096, 4000)])
+def test_a_generation_stays_within_its_budget(vault, context, prompt_tokens):
+    """Peak RSS of a whole `smoe generate` process (a long prompt: a layer-major prefill
+    pass over all of it, KV, the ring) stays within the --memory the budget accepted, the
+    smallest one included, with the context budgeted tight (its attention scores are
+    those of a full cache)."""
+    needs = _needs(vault, max_batch=1, max_context=context)
     smallest = needs.fixed + vault.manifest.shape.experts_per_token * vault.manifest.record.stride
     # VmHWM: this process's own peak (ru_maxrss would carry the forking pytest's across exec)
     code = (
@@ -258,7 +260,7 @@ def test_a_generation_stays_within_its_budget(vault):
         "print('PEAK', int(hwm.split()[1]) * 1024)\n"
         "sys.exit(rc)\n"
     )
-    prompt = ",".join(str(10 + i % 200) for i in range(300))
+    prompt = ",".join(str(10 + i % 200) for i in range(prompt_tokens))
     r = subprocess.run(
         [
             sys.executable,
@@ -271,7 +273,7 @@ def test_a_generation_stays_within_its_budget(vault):
             "--max-tokens",
             "8",
             "--max-context",
-            "512",
+            str(context),
             "--memory",
             str(smallest),
             "--json",

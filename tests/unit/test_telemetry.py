@@ -113,10 +113,24 @@ def test_bench_decode_and_prefill_report(vault, run_cli):
     everything = report["runs"][-1]  # "all": the second prompt finds every expert it had
     assert everything["warm_ring"]["bytes_per_token"] <= everything["bytes_per_token"]
     code, out, err = run_cli(
-        "bench", "prefill", vault.path, "--budgets", "min", "--prompt-tokens", "70"
-    )
+        "bench", "prefill", vault.path, "--budgets", "min,all", "--lengths", "70,300",
+        "--schedules", "layer,chunk",
+    )  # fmt: skip
     assert code == 0, err
-    assert json.loads(out)["runs"][0]["prefill_bytes"] > 0
+    runs = json.loads(out)["runs"]
+    assert [(r["prompt_tokens"], r["budget"], r["schedule"]) for r in runs] == [
+        (n, b, s) for n in (70, 300) for b in ("min", "all") for s in ("layer", "chunk")
+    ]
+    for r in runs:  # layer-major reads each layer's union once; chunk by chunk, no less
+        assert r["prefill_bytes"] > 0 and r["union_bytes"] > 0
+        assert (
+            (r["bytes_over_union"] == 1.0)
+            if r["schedule"] == "layer"
+            else r["bytes_over_union"] >= 1.0
+        )
+    assert any(r["bytes_over_union"] > 1.5 for r in runs if r["budget"] == "min")
+    code, _, err = run_cli("bench", "prefill", vault.path, "--schedules", "rows")
+    assert code != 0 and "--schedules rows" in err
 
 
 def test_policy_locality_and_trace_commands(tmp_path, run_cli):
