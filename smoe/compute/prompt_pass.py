@@ -5,7 +5,8 @@ in a greenlet on the compute thread. A streamed MoE layer met inside a chunk han
 input and routing to the pass and suspends (``ask``); once every chunk has reached that
 layer, the pass serves the layer for all of them at once (the union of their experts read
 once, in waves where the ring is smaller: ``StreamingExperts.serve_prompt_layer``), then
-resumes the chunks in order, each up to its next MoE layer.
+resumes the chunks in order, each up to its next MoE layer. The caller may stop between
+any two chunk units (a chunk started or resumed) and let other requests decode.
 
 Why the bits do not change: at every layer the chunks run their attention in prompt order,
 each after the previous chunk has put its keys and values in that layer's cache, so each
@@ -22,11 +23,13 @@ Everything here runs on one thread (greenlets cannot cross threads).
 from __future__ import annotations
 
 import contextvars
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 from greenlet import GreenletExit, greenlet
 
 
@@ -35,8 +38,9 @@ class PromptLayer(Protocol):
 
     layer: int
 
-    def serve_prompt_layer(self, calls: list[tuple[mx.array, mx.array]]) -> list[mx.array]:
-        """Each (x [..., D], indices [..., k]) call's output [..., k, D], in order."""
+    def serve_prompt_layer(self, calls: list[tuple[mx.array, np.ndarray]]) -> list[mx.array]:
+        """Each (x [..., D], expert ids [..., k] on the host) call's output [..., k, D],
+        in order."""
         ...
 
 
@@ -46,13 +50,13 @@ class _Ask:
 
     module: PromptLayer
     x: mx.array
-    indices: mx.array
+    indices: np.ndarray  # the chunk's routing, evaluated
 
 
 class _Chunk(greenlet):  # type: ignore[misc]  # greenlet's stubs: subclassing is untyped
     """One chunk's model call, suspended at each streamed MoE layer."""
 
-    def ask(self, module: PromptLayer, x: mx.array, indices: mx.array) -> mx.array:
+    def ask(self, module: PromptLayer, x: mx.array, indices: np.ndarray) -> mx.array:
         """Suspend until the pass has served ``module`` for every chunk; its output."""
         out = self.parent.switch(_Ask(module, x, indices))
         assert isinstance(out, mx.array)
@@ -66,13 +70,16 @@ def current_chunk() -> _Chunk | None:
 
 
 class PromptPass:
-    """The chunks of one prompt, advanced one MoE layer at a time.
+    """The chunks of one prompt, advanced a unit of work at a time.
 
     ``run_chunk(piece)`` runs one chunk's model call (its KV appended to the cache the
-    caller gave it) and returns what the caller wants of it (logits, or None). ``advance``
-    runs until every chunk has been served one more MoE layer, or has finished; ``done``
-    says whether all have, and ``results`` gives their return values in order. A failure
-    in any chunk ends the pass (``close``) and is raised from ``advance``; the caller's
+    caller gave it) and returns what the caller wants of it (logits, or None). A unit
+    (``step``) is one chunk started or resumed, which runs it up to its next MoE layer (its
+    attention there), or, once every chunk waits at a layer, that layer served for all of
+    them. ``advance(budget)`` runs units until ``budget`` chunk units are spent (None: to
+    the end), so a caller can stop between any two chunks and let other work run; ``done``
+    says whether every chunk has finished, and ``results`` gives their return values in
+    order. A failure in any chunk ends the pass (``close``) and is raised; the caller's
     cache is then out of step and must be reset."""
 
     def __init__(self, run_chunk: Callable[[list[int]], Any], pieces: Sequence[list[int]]):
@@ -80,6 +87,7 @@ class PromptPass:
         self._pieces = [list(p) for p in pieces]
         self._chunks: list[_Chunk] = []
         self._asks: list[_Ask | None] = []
+        self._outs: deque[tuple[int, mx.array]] = deque()  # served, not yet resumed
         self._results: list[Any] = [None] * len(self._pieces)
         self.layers_served = 0
 
@@ -89,32 +97,50 @@ class PromptPass:
 
     @property
     def done(self) -> bool:
-        return len(self._chunks) == len(self._pieces) and all(a is None for a in self._asks)
+        return (
+            len(self._chunks) == len(self._pieces)
+            and not self._outs
+            and all(a is None for a in self._asks)
+        )
 
     def results(self) -> list[Any]:
         assert self.done
         return self._results
 
-    def advance(self) -> bool:
-        """One step: start the chunks (first call), or serve the layer they wait at and
-        resume them in order. Returns True while chunks remain suspended."""
+    def advance(self, budget: int | None = None) -> bool:
+        """Run units until ``budget`` chunk units are spent (None: until done); returns
+        True while the pass has more to do."""
+        spent = 0
+        while not self.done and (budget is None or spent < budget):
+            spent += self.step()
+        return not self.done
+
+    def step(self) -> int:
+        """One unit: resume the next served chunk, else start the next chunk, else serve
+        the layer every chunk waits at. Returns the chunk units it ran (1, or 0 for a
+        serve)."""
         try:
-            if not self._chunks:
-                for i, piece in enumerate(self._pieces):
-                    chunk = _Chunk(self._run_chunk)
-                    chunk.gr_context = contextvars.copy_context()  # the caller's settings
-                    self._chunks.append(chunk)
-                    self._asks.append(self._settle(i, chunk.switch(piece)))
-                return not self.done
+            if self._outs:
+                i, out = self._outs.popleft()
+                self._asks[i] = self._settle(i, self._chunks[i].switch(out))
+                return 1
+            if len(self._chunks) < len(self._pieces):
+                i = len(self._chunks)
+                chunk = _Chunk(self._run_chunk)
+                chunk.gr_context = contextvars.copy_context()  # the caller's settings
+                self._chunks.append(chunk)
+                self._asks.append(self._settle(i, chunk.switch(self._pieces[i])))
+                return 1
             waiting = [(i, a) for i, a in enumerate(self._asks) if a is not None]
+            if not waiting:
+                return 0
             module = waiting[0][1].module
             if any(a.module is not module for _, a in waiting) or len(waiting) != len(self._chunks):
                 raise RuntimeError("the chunks of a prompt pass left step with each other")
             outs = module.serve_prompt_layer([(a.x, a.indices) for _, a in waiting])
             self.layers_served += 1
-            for (i, _), out in zip(waiting, outs, strict=True):
-                self._asks[i] = self._settle(i, self._chunks[i].switch(out))
-            return not self.done
+            self._outs.extend((i, out) for (i, _), out in zip(waiting, outs, strict=True))
+            return 0
         except BaseException:
             self.close()
             raise
@@ -132,3 +158,4 @@ class PromptPass:
             if not chunk.dead:
                 chunk.throw(GreenletExit)  # unwinds it; GreenletExit is not re-raised here
         self._asks = [None] * len(self._chunks)
+        self._outs.clear()

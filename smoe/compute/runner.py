@@ -296,10 +296,11 @@ class Runner:
         """Advance the prompt's prefill by one turn; return how many prompt tokens the
         turn worked on (0: the sequence is ready to sample). A turn is one chunk of up to
         ``chunk`` tokens through every layer, or, layer-major, the pass over up to
-        ``pass_tokens`` tokens advanced by as many MoE layers as make a chunk's worth of
-        work (at least one): a long prompt's turn is one layer for all its tokens. Between
-        turns nothing is pinned in the ring, so other sequences decode (the batcher
-        alternates). A failed turn resets ``seq`` and raises."""
+        ``pass_tokens`` tokens advanced by as many chunk units (a chunk up to its next MoE
+        layer) as one chunk takes through every layer, plus any layer served on the way (the experts of every
+        chunk at one layer, at once: the longest turn). Between turns nothing is pinned in
+        the ring, so other sequences decode (the batcher alternates). A failed turn resets
+        ``seq`` and raises."""
         todo = seq.to_prefill()
         if todo == 0:
             return 0
@@ -313,13 +314,11 @@ class Runner:
                 part = seq.tokens[seq.cached : seq.cached + min(todo, self.pass_tokens)]
                 run = self._chunk_runner(seq.cache, logits=False)
                 seq.prompt = PromptPass(run, self._pieces(part))
-            tokens, work = seq.prompt.tokens, 0
-            while work < self.chunk * self.layers:
-                work += tokens
-                if not seq.prompt.advance():
-                    seq.prompt = None
-                    seq.cached += tokens
-                    break
+            tokens = seq.prompt.tokens
+            # a chunk through every layer: its start and a resume after each layer
+            if not seq.prompt.advance(self.layers + 1):
+                seq.prompt = None
+                seq.cached += tokens
             return tokens
         except BaseException:
             self.reset(seq)

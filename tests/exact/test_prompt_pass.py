@@ -71,9 +71,10 @@ async def test_each_expert_is_read_once_per_layer_and_prompt(quantized):
 
 
 async def test_a_long_prompt_lets_a_decoding_request_step_between_its_layers(quantized):
-    """While a 4,000-token prompt prefills (63 chunks, one MoE layer of them per turn), a
-    request already decoding gets a step between every two of its turns: the batcher
-    alternates, and a turn holds no ring slot."""
+    """While a 4,000-token prompt prefills (63 chunks), a request already decoding gets a
+    step between every two of its turns: the batcher alternates, a turn is about one
+    chunk's worth of work (as many chunk units as layers, and a layer served on the way),
+    and a turn holds no ring slot."""
     vault, _ = quantized("qwen3_moe")
     m = vault.manifest
     async with Engine.open(vault.path, slots=top_k_of(vault), max_context=4100) as engine:
@@ -103,7 +104,7 @@ async def test_a_long_prompt_lets_a_decoding_request_step_between_its_layers(qua
         decoding = asyncio.Event()
 
         async def short_run():
-            async for event in engine.generate(short, max_tokens=40, stop_at_eos=False):
+            async for event in engine.generate(short, max_tokens=400, stop_at_eos=False):
                 if event.token is not None:
                     decoding.set()  # its first token is out: it decodes from now on
 
@@ -112,7 +113,8 @@ async def test_a_long_prompt_lets_a_decoding_request_step_between_its_layers(qua
         second = await tokens(long, 2)
         await first
     turns = [i for i, (kind, n) in enumerate(log) if kind == "prefill" and n > 100]
-    assert len(turns) == len(m.layers) + 1  # start, then one MoE layer a turn
+    units = 63 * (1 + len(m.layers))  # each chunk started, then resumed after each layer
+    assert len(turns) >= units // (1 + len(m.layers))  # a turn: one chunk's worth
     for a, b in zip(turns, turns[1:], strict=False):
         assert any(kind == "step" for kind, _ in log[a + 1 : b]), log[a : b + 1]
     assert len(second) == 2

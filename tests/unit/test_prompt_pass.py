@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from smoe.compute.prompt_pass import PromptPass, current_chunk
@@ -19,7 +20,7 @@ class FakeMoE:
         self.log.append(("attention", self.layer, chunk_id))
         chunk = current_chunk()
         assert chunk is not None
-        return chunk.ask(self, x, mx.array([chunk_id]))
+        return chunk.ask(self, x, np.array([chunk_id]))
 
     def serve_prompt_layer(self, calls):
         ids = [int(indices.item()) for _, indices in calls]
@@ -48,10 +49,11 @@ def test_chunks_run_each_layer_in_prompt_order_and_are_served_together():
     layers = [FakeMoE(i, log) for i in range(3)]
     p = PromptPass(model_of(layers, log), [[0, 0], [1], [2, 2, 2]])
     assert p.tokens == 6 and not p.done
-    steps = 0
-    while p.advance():
-        steps += 1
-    assert steps == 3 and p.done and p.layers_served == 3
+    units = []
+    while not p.done:
+        units.append(p.step())
+    # each chunk started (1), then each layer served (0) and each chunk resumed (1)
+    assert units == [1, 1, 1] + [0, 1, 1, 1] * 3 and p.layers_served == 3
     assert p.results() == [0 + 3, 100 + 3, 200 + 3]  # 0 + 1 + 2 from the layers
     want = []
     for layer in range(3):
@@ -65,12 +67,27 @@ def test_a_failure_ends_every_chunk_and_is_raised():
     log: list = []
     layers = [FakeMoE(0, log), FakeMoE(1, log, fail_at=(1, 0))]
     p = PromptPass(model_of(layers, log), [[0], [1]])
-    assert p.advance()  # started: every chunk waits at layer 0
-    assert p.advance()  # layer 0 served: every chunk waits at layer 1
+    assert p.advance(2)  # started: every chunk waits at layer 0
+    assert p.advance(2)  # layer 0 served, both resumed: every chunk waits at layer 1
     with pytest.raises(OSError, match="a read failed"):
         p.advance()
     assert ("end", 0) in log and ("end", 1) in log  # each chunk unwound (its finally ran)
     assert p.done
+
+
+def test_a_caller_can_stop_between_any_two_chunks():
+    """advance(budget) spends at most budget chunk units (a serve costs none): a long
+    prompt's turn ends between chunks, not after a whole layer of them."""
+    log: list = []
+    layers = [FakeMoE(i, log) for i in range(2)]
+    p = PromptPass(model_of(layers, log), [[c] for c in range(5)])
+    turns = 0
+    while p.advance(2):
+        turns += 1
+        chunk_units = [e for e in log if e[0] == "attention"]
+        assert len(chunk_units) <= 2 * turns + 1  # never more than the budget a turn
+    assert p.results() == [c * 100 + 1 for c in range(5)]
+    assert turns == 7  # 15 chunk units (5 starts, 2 x 5 resumes) in turns of 2
 
 
 def test_a_model_without_moe_layers_finishes_at_the_first_step():
