@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Generator
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ from smoe.compute.tracing import LayerTrace, WaveTime
 
 
 class PromptLayerServing:
-    """``serve_prompt_layer`` for StreamingExperts (which provides ``layer``, ``_source``,
+    """``prompt_layer_steps`` for StreamingExperts (which provides ``layer``, ``_source``,
     ``_tracer`` and ``_compute``)."""
 
     layer: int
@@ -33,8 +34,15 @@ class PromptLayerServing:
     _tracer: Any
     _compute: Any
 
-    def serve_prompt_layer(self, calls: list[tuple[mx.array, np.ndarray]]) -> list[mx.array]:
-        """This layer for every chunk of a prompt, in prompt order.
+    def prompt_layer_steps(
+        self, calls: list[tuple[mx.array, np.ndarray]]
+    ) -> Generator[float, None, list[mx.array]]:
+        """This layer for every chunk of a prompt, in prompt order, in steps: each ``yield``
+        follows a step and gives its work in chunks' expert calls (the caller may run
+        other work there: nothing is pinned). Where the union fits the ring, the first step
+        pins and reads all of it and computes the first chunk, and each later step one more
+        chunk on its experts, pinned again (still in the ring unless other work evicted them
+        meanwhile); else a step is a wave of the ring's capacity, computed for every chunk.
 
         calls: (x [..., D], idx [..., k] expert ids on the host) per chunk; returns each
         chunk's output [..., k, D], evaluated. Read errors are raised after every slot
@@ -45,11 +53,30 @@ class PromptLayerServing:
         capacity = self._source.capacity()
         refs = [reference_rows_of(idx.size, idx.shape[-1]) for idx in idxs]
         wave_times: list[WaveTime] = []
+        in_ring = 0
         if len(experts) <= capacity:
-            ys, in_ring = self._serve_whole(calls, experts, refs)
+            ys: list[mx.array] = []
+            for i, ((x, idx), ref) in enumerate(zip(calls, refs, strict=True)):
+                wanted = experts if i == 0 else np.unique(idx).tolist()
+                lease = self._source.reserve(self.layer, wanted)
+                try:
+                    if i == 0:
+                        in_ring = int(sum(lease.ready))
+                    lease.wait()
+                    slot_of = dict(zip(wanted, lease.slots, strict=True))
+                    mine = np.unique(idx).tolist()
+                    ys.append(self._compute(x, idx, mine, [slot_of[e] for e in mine], ref))
+                finally:
+                    lease.release()  # the one release, also when a read failed
+                yield 1.0
         else:
-            ys, wave_times = self._serve_in_waves(calls, experts, capacity, refs)
-            in_ring = 0
+            parts = [CallAssembly(x, idx) for x, idx in calls]
+            waves = -(-len(experts) // capacity)
+            for first in range(0, len(experts), capacity):
+                wave = experts[first : first + capacity]
+                wave_times.append(self._wave(calls, parts, refs, wave))
+                yield len(calls) / waves
+            ys = [part.result() for part in parts]
         if self._tracer is not None:
             trace = LayerTrace(
                 self.layer,
@@ -66,53 +93,30 @@ class PromptLayerServing:
             self._tracer.counters.unique_experts += len(experts)
         return ys
 
-    def _serve_whole(
-        self, calls: list[tuple[mx.array, np.ndarray]], experts: list[int], refs: list[int]
-    ) -> tuple[list[mx.array], int]:
-        """The union fits the ring: pin it, wait for it, compute each chunk's call."""
-        lease = self._source.reserve(self.layer, experts)
-        try:
-            in_ring = int(sum(lease.ready))
-            lease.wait()
-            slot_of = dict(zip(experts, lease.slots, strict=True))
-            ys = []
-            for (x, idx), ref in zip(calls, refs, strict=True):
-                mine = np.unique(idx).tolist()
-                ys.append(self._compute(x, idx, mine, [slot_of[e] for e in mine], ref))
-            return ys, in_ring
-        finally:
-            lease.release()  # the one release, also when a read failed
-
-    def _serve_in_waves(
+    def _wave(
         self,
         calls: list[tuple[mx.array, np.ndarray]],
-        experts: list[int],
-        capacity: int,
+        parts: list[CallAssembly],
         refs: list[int],
-    ) -> tuple[list[mx.array], list[WaveTime]]:
-        """The union exceeds the ring: waves of ``capacity`` experts, each serving every
-        chunk's rows routed to it."""
-        parts = [CallAssembly(x, idx) for x, idx in calls]
-        times: list[WaveTime] = []
-        for first in range(0, len(experts), capacity):
-            wave = experts[first : first + capacity]
-            asked = time.perf_counter()
-            slots = self._source.acquire(self.layer, wave)
-            try:
-                ready = time.perf_counter()
-                slot_of = dict(zip(wave, slots, strict=True))
-                for part, (_, idx), ref in zip(parts, calls, refs, strict=True):
-                    mine = [e for e in np.unique(idx).tolist() if e in slot_of]
-                    if mine:
-                        compute = functools.partial(
-                            self._compute,
-                            experts=mine,
-                            slots=[slot_of[e] for e in mine],
-                            ref=ref,
-                            sort=part.sorted,
-                        )
-                        part.add(mine, compute)  # evaluated: done before the release
-                times.append(WaveTime(len(wave), ready - asked, time.perf_counter() - ready))
-            finally:
-                self._source.release(slots)
-        return [part.result() for part in parts], times
+        wave: list[int],
+    ) -> WaveTime:
+        """One wave: pin ``wave``, compute every chunk's rows routed to it, release."""
+        asked = time.perf_counter()
+        slots = self._source.acquire(self.layer, wave)
+        try:
+            ready = time.perf_counter()
+            slot_of = dict(zip(wave, slots, strict=True))
+            for part, (_, idx), ref in zip(parts, calls, refs, strict=True):
+                mine = [e for e in np.unique(idx).tolist() if e in slot_of]
+                if mine:
+                    compute = functools.partial(
+                        self._compute,
+                        experts=mine,
+                        slots=[slot_of[e] for e in mine],
+                        ref=ref,
+                        sort=part.sorted,
+                    )
+                    part.add(mine, compute)  # evaluated: done before the release
+            return WaveTime(len(wave), ready - asked, time.perf_counter() - ready)
+        finally:
+            self._source.release(slots)

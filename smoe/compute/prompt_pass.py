@@ -4,7 +4,7 @@ The prompt runs as chunks, each chunk its own model call (mlx-lm's code, unchang
 in a greenlet on the compute thread. A streamed MoE layer met inside a chunk hands its
 input and routing to the pass and suspends (``ask``); once every chunk has reached that
 layer, the pass serves the layer for all of them at once (the union of their experts read
-once, in waves where the ring is smaller: ``StreamingExperts.serve_prompt_layer``), then
+once, in waves where the ring is smaller: ``StreamingExperts.prompt_layer_steps``), then
 resumes the chunks in order, each up to its next MoE layer. The caller may stop between
 any two chunk units (a chunk started or resumed) and let other requests decode.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextvars
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,13 +34,16 @@ from greenlet import GreenletExit, greenlet
 
 
 class PromptLayer(Protocol):
-    """A MoE layer that can serve several chunks' calls at once (StreamingExperts)."""
+    """A MoE layer that can serve several chunks' calls together (StreamingExperts)."""
 
     layer: int
 
-    def serve_prompt_layer(self, calls: list[tuple[mx.array, np.ndarray]]) -> list[mx.array]:
+    def prompt_layer_steps(
+        self, calls: list[tuple[mx.array, np.ndarray]]
+    ) -> Generator[float, None, list[mx.array]]:
         """Each (x [..., D], expert ids [..., k] on the host) call's output [..., k, D],
-        in order."""
+        in order, computed in steps; each yield follows a step and gives its work in
+        chunks' expert calls (the caller may run other work there)."""
         ...
 
 
@@ -63,6 +66,11 @@ class _Chunk(greenlet):  # type: ignore[misc]  # greenlet's stubs: subclassing i
         return out
 
 
+# A chunk's attention at one layer (a start or a resume), or its experts there: half of
+# that chunk's work at the layer, the unit a caller budgets turns in.
+CHUNK_HALF = 0.5
+
+
 def current_chunk() -> _Chunk | None:
     """The chunk of a prompt pass running now, if any (a MoE layer then asks it)."""
     g = greenlet.getcurrent()
@@ -75,8 +83,9 @@ class PromptPass:
     ``run_chunk(piece)`` runs one chunk's model call (its KV appended to the cache the
     caller gave it) and returns what the caller wants of it (logits, or None). A unit
     (``step``) is one chunk started or resumed, which runs it up to its next MoE layer (its
-    attention there), or, once every chunk waits at a layer, that layer served for all of
-    them. ``advance(budget)`` runs units until ``budget`` chunk units are spent (None: to
+    attention there), or, once every chunk waits at a layer, a step of serving that layer
+    for all of them (``PromptLayer.prompt_layer_steps``: the union read once, then a chunk
+    or a wave a step). ``advance(budget)`` runs units until ``budget`` chunk units are spent (None: to
     the end), so a caller can stop between any two chunks and let other work run; ``done``
     says whether every chunk has finished, and ``results`` gives their return values in
     order. A failure in any chunk ends the pass (``close``) and is raised; the caller's
@@ -88,6 +97,8 @@ class PromptPass:
         self._chunks: list[_Chunk] = []
         self._asks: list[_Ask | None] = []
         self._outs: deque[tuple[int, mx.array]] = deque()  # served, not yet resumed
+        self._serving: Generator[float, None, list[mx.array]] | None = None  # a layer's
+        self._served: list[int] = []  # the chunks the layer being served is for
         self._results: list[Any] = [None] * len(self._pieces)
         self.layers_served = 0
 
@@ -100,6 +111,7 @@ class PromptPass:
         return (
             len(self._chunks) == len(self._pieces)
             and not self._outs
+            and self._serving is None
             and all(a is None for a in self._asks)
         )
 
@@ -107,40 +119,47 @@ class PromptPass:
         assert self.done
         return self._results
 
-    def advance(self, budget: int | None = None) -> bool:
-        """Run units until ``budget`` chunk units are spent (None: until done); returns
+    def advance(self, budget: float | None = None) -> bool:
+        """Run units until ``budget`` of work is spent (in chunk-layers: a chunk's attention
+        at one layer is half, its experts there the other half; None: until done); returns
         True while the pass has more to do."""
-        spent = 0
+        spent = 0.0
         while not self.done and (budget is None or spent < budget):
             spent += self.step()
         return not self.done
 
-    def step(self) -> int:
-        """One unit: resume the next served chunk, else start the next chunk, else serve
-        the layer every chunk waits at. Returns the chunk units it ran (1, or 0 for a
-        serve)."""
+    def step(self) -> float:
+        """One unit: a step of the layer being served, else resume the next served chunk,
+        else start the next chunk, else begin serving the layer every chunk waits at.
+        Returns its work in chunk-layers (0 when there was nothing to do)."""
         try:
+            if self._serving is not None:
+                try:
+                    return CHUNK_HALF * next(self._serving)
+                except StopIteration as served:
+                    self._serving = None
+                    self.layers_served += 1
+                    self._outs.extend(zip(self._served, served.value, strict=True))
             if self._outs:
                 i, out = self._outs.popleft()
                 self._asks[i] = self._settle(i, self._chunks[i].switch(out))
-                return 1
+                return CHUNK_HALF
             if len(self._chunks) < len(self._pieces):
                 i = len(self._chunks)
                 chunk = _Chunk(self._run_chunk)
                 chunk.gr_context = contextvars.copy_context()  # the caller's settings
                 self._chunks.append(chunk)
                 self._asks.append(self._settle(i, chunk.switch(self._pieces[i])))
-                return 1
+                return CHUNK_HALF
             waiting = [(i, a) for i, a in enumerate(self._asks) if a is not None]
             if not waiting:
-                return 0
+                return 0.0
             module = waiting[0][1].module
             if any(a.module is not module for _, a in waiting) or len(waiting) != len(self._chunks):
                 raise RuntimeError("the chunks of a prompt pass left step with each other")
-            outs = module.serve_prompt_layer([(a.x, a.indices) for _, a in waiting])
-            self.layers_served += 1
-            self._outs.extend((i, out) for (i, _), out in zip(waiting, outs, strict=True))
-            return 0
+            self._served = [i for i, _ in waiting]
+            self._serving = module.prompt_layer_steps([(a.x, a.indices) for _, a in waiting])
+            return self.step()
         except BaseException:
             self.close()
             raise
@@ -159,3 +178,6 @@ class PromptPass:
                 chunk.throw(GreenletExit)  # unwinds it; GreenletExit is not re-raised here
         self._asks = [None] * len(self._chunks)
         self._outs.clear()
+        if self._serving is not None:
+            self._serving.close()  # (nothing is pinned at its yields)
+            self._serving = None

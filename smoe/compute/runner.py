@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
-from smoe.compute.prompt_pass import PromptPass
+from smoe.compute.prompt_pass import CHUNK_HALF, PromptPass
 from smoe.compute.solo_rows import KernelRules, solo_rows
 from smoe.compute.timeline import StepTime, StepTimeline
 from smoe.compute.tracing import forward_pass
@@ -315,8 +315,9 @@ class Runner:
                 run = self._chunk_runner(seq.cache, logits=False)
                 seq.prompt = PromptPass(run, self._pieces(part))
             tokens = seq.prompt.tokens
-            # a chunk through every layer: its start and a resume after each layer
-            if not seq.prompt.advance(self.layers + 1):
+            # a chunk's work through every layer: its start, then each layer's experts and
+            # the attention after them (half a chunk-layer each)
+            if not seq.prompt.advance(self.layers + CHUNK_HALF):
                 seq.prompt = None
                 seq.cached += tokens
             return tokens

@@ -22,12 +22,17 @@ class FakeMoE:
         assert chunk is not None
         return chunk.ask(self, x, np.array([chunk_id]))
 
-    def serve_prompt_layer(self, calls):
+    def prompt_layer_steps(self, calls):
+        """Serves a chunk a step, as StreamingExperts does where the union fits."""
         ids = [int(indices.item()) for _, indices in calls]
         self.log.append(("serve", self.layer, tuple(ids)))
-        if self.fail_at is not None and self.fail_at[0] == self.layer:
-            raise OSError("a read failed")
-        return [x + self.layer for x, _ in calls]
+        out = []
+        for x, _ in calls:
+            if self.fail_at is not None and self.fail_at[0] == self.layer:
+                raise OSError("a read failed")
+            out.append(x + self.layer)
+            yield 1.0  # one chunk's experts
+        return out
 
 
 def model_of(layers: list[FakeMoE], log: list):
@@ -52,8 +57,9 @@ def test_chunks_run_each_layer_in_prompt_order_and_are_served_together():
     units = []
     while not p.done:
         units.append(p.step())
-    # each chunk started (1), then each layer served (0) and each chunk resumed (1)
-    assert units == [1, 1, 1] + [0, 1, 1, 1] * 3 and p.layers_served == 3
+    # each chunk started (half a chunk-layer), then at each layer a serve step per chunk
+    # and a resume per chunk (half each)
+    assert units == [0.5] * 3 + [0.5] * 6 * 3 and p.layers_served == 3
     assert p.results() == [0 + 3, 100 + 3, 200 + 3]  # 0 + 1 + 2 from the layers
     want = []
     for layer in range(3):
@@ -67,7 +73,7 @@ def test_a_failure_ends_every_chunk_and_is_raised():
     log: list = []
     layers = [FakeMoE(0, log), FakeMoE(1, log, fail_at=(1, 0))]
     p = PromptPass(model_of(layers, log), [[0], [1]])
-    assert p.advance(2)  # started: every chunk waits at layer 0
+    assert p.advance(1)  # started: every chunk waits at layer 0
     assert p.advance(2)  # layer 0 served, both resumed: every chunk waits at layer 1
     with pytest.raises(OSError, match="a read failed"):
         p.advance()
@@ -76,18 +82,19 @@ def test_a_failure_ends_every_chunk_and_is_raised():
 
 
 def test_a_caller_can_stop_between_any_two_chunks():
-    """advance(budget) spends at most budget chunk units (a serve costs none): a long
-    prompt's turn ends between chunks, not after a whole layer of them."""
+    """advance(budget) spends at most budget units (a chunk started or resumed, a step of
+    serving a layer): a long prompt's turn ends between chunks, not after a whole layer of
+    them."""
     log: list = []
     layers = [FakeMoE(i, log) for i in range(2)]
     p = PromptPass(model_of(layers, log), [[c] for c in range(5)])
     turns = 0
-    while p.advance(2):
+    while p.advance(1):  # a chunk-layer's work a turn: two units
         turns += 1
         chunk_units = [e for e in log if e[0] == "attention"]
-        assert len(chunk_units) <= 2 * turns + 1  # never more than the budget a turn
+        assert len(chunk_units) <= 2 * turns  # never more than the budget a turn
     assert p.results() == [c * 100 + 1 for c in range(5)]
-    assert turns == 7  # 15 chunk units (5 starts, 2 x 5 resumes) in turns of 2
+    assert turns == 12  # 25 half units (5 starts; per layer 5 serve steps, 5 resumes)
 
 
 def test_a_model_without_moe_layers_finishes_at_the_first_step():
