@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiofiles.os
+
 from smoe.commands.options import add_device, add_dtype, add_workers
 from smoe.errors import SmoeError
 from smoe.plan.budget import KV_BITS
 from smoe.util import blas
+from smoe.util.sizes import parse_size
 from smoe.vault.hub import resolve_model
 
 
@@ -274,7 +277,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
-    from smoe.util.sizes import parse_size
 
     _log_to_stderr(args.log_level)
     api_key, guard = serve_guard(args)
@@ -296,6 +298,9 @@ async def _serve(args: argparse.Namespace) -> int:
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     _check_sampling(temperature, top_p, args.max_tokens)  # before loading
+    prefix_dir = args.prefix_cache_dir
+    if prefix_dir is not None and await aiofiles.os.path.isfile(prefix_dir):
+        raise SmoeError(f"--prefix-cache-dir {prefix_dir} is a file; name a directory")
     options = ServerOptions(
         api_key=api_key,
         guard=guard,
@@ -307,7 +312,9 @@ async def _serve(args: argparse.Namespace) -> int:
         top_p=top_p,
         max_tokens=args.max_tokens if args.max_tokens is not None else 256,
         prewarm_when_idle=args.prewarm,
-        cached_bytes=parse_size(args.prefix_cache),
+        cached_bytes=_size_flag("--prefix-cache", args.prefix_cache),
+        prefix_dir=None if prefix_dir is None else Path(prefix_dir),
+        prefix_dir_bytes=_size_flag("--prefix-cache-disk", args.prefix_cache_disk),
     )
     async with Engine.open(vault, **_engine_options(args), max_batch=args.max_batch) as engine:
         _say_memory(engine, not engine.speaks)
@@ -325,6 +332,13 @@ async def _serve(args: argparse.Namespace) -> int:
 
         await serve(engine, args.host, args.port, options, ready=ready)
     return 0
+
+
+def _size_flag(flag: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except SmoeError as e:
+        raise SmoeError(f"{flag}: {e}") from None
 
 
 def _check_sampling(temperature: float, top_p: float, max_tokens: int | None) -> None:
@@ -776,6 +790,20 @@ def add_serve(sub: Any) -> None:
         default="2GB",
         help="memory for the KV caches kept for prefix reuse (last 8 requests; 0: off; "
         "default 2GB)",
+    )
+    sv.add_argument(
+        "--prefix-cache-dir",
+        metavar="DIR",
+        help="keep long prompts' KV caches (256 tokens or more) in DIR, so that a restarted "
+        "server does not prefill a repeated long prompt again (checksummed; another model's "
+        "or a damaged entry is ignored)",
+    )
+    sv.add_argument(
+        "--prefix-cache-disk",
+        default="8GB",
+        metavar="SIZE",
+        help="the most this model's entries in --prefix-cache-dir take (least recently used "
+        "go first; default 8GB)",
     )
     sv.add_argument(
         "--no-prewarm",

@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import anyio
@@ -45,6 +46,7 @@ from jinja2 import TemplateError
 
 from smoe.engine import Engine
 from smoe.engine.handles import SequenceHandle
+from smoe.engine.prefix_store import MIN_TOKENS, PrefixStore
 from smoe.errors import ShuttingDown, SmoeError
 from smoe.sampling import SamplingParams
 from smoe.serve import anthropic_api, ollama_api, openai_api
@@ -107,6 +109,10 @@ class ServerOptions:
     model_name: str = "smoe"
     cached_sequences: int = 8  # KV caches kept for prefix reuse
     cached_bytes: int = 2 * 1024**3  # and at most this much of their keys and values
+    # Long prompts' KV caches on disk, kept across restarts (smoe/engine/prefix_store.py)
+    prefix_dir: Path | None = None
+    prefix_dir_bytes: int = 8 * 1024**3
+    prefix_min_tokens: int = MIN_TOKENS
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     body_timeout_s: float = 60.0  # a body slower than this gets 408 (a stalled client)
@@ -172,6 +178,13 @@ class Server:
         self.engine = engine
         self.options = options
         self.cache = PrefixCache(options.cached_sequences, options.cached_bytes)
+        self.store = (
+            None
+            if options.prefix_dir is None
+            else PrefixStore(
+                engine, options.prefix_dir, options.prefix_dir_bytes, options.prefix_min_tokens
+            )
+        )
         self.reused_tokens = 0  # prompt tokens whose keys and values were reused
         self.prefilled_tokens = 0  # prompt tokens run (all but each prompt's last)
         self.reply_follow_ups = 0  # chat requests that continued a cached reply's ids
@@ -503,7 +516,7 @@ class Server:
     ) -> web.StreamResponse:
         """Generate for one request and answer it in ``fmt``. Its sequence goes back to
         the prefix cache whatever happens."""
-        seq, _ = self.cache.take(ids)
+        seq = await self._take(ids)
         if turn is not None and turn.continued:
             self.reply_follow_ups += 1
         reused = 0  # prompt tokens whose keys and values this request reuses
@@ -544,6 +557,8 @@ class Server:
             return response
         finally:
             if seq is not None:
+                if self.store is not None:
+                    self.store.keep(seq)  # (before anyone else may take it)
                 self.cache.put(seq, kept)
             _generated.get([]).append(out.completion)  # the access line's, whatever happened
             self.counts.prompt_tokens += len(ids)
@@ -553,6 +568,16 @@ class Server:
             return web.json_response(fmt.body(counted))
         await end_stream(response, fmt.closing(counted))
         return response
+
+    async def _take(self, ids: list[int]) -> SequenceHandle | None:
+        """The cached sequence sharing the longest prefix with ``ids``: from memory, or
+        from the disk store where its entry shares a longer one."""
+        in_memory = self.cache.longest(ids)
+        if self.store is not None:
+            seq, _ = await self.store.take(ids, have=in_memory)
+            if seq is not None:
+                return seq
+        return self.cache.take(ids)[0]
 
     async def _generate(
         self,
@@ -668,6 +693,8 @@ async def serve(
         shutdown_timeout=options.shutdown_s,
         keepalive_timeout=options.idle_timeout_s,  # idle sockets, before and between requests
     )
+    if server.store is not None:
+        await server.store.open()  # (SmoeError: a directory it cannot make or list)
     await runner.setup()
     try:
         listening, _ = await listen(runner, host, port, options.max_connections)
@@ -692,3 +719,5 @@ async def serve(
                     ShuttingDown("the server is shutting down; retry on its next start")
                 )
             await runner.cleanup()
+            if server.store is not None:
+                await server.store.aclose()  # writes under way end whole

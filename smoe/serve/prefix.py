@@ -62,16 +62,26 @@ class PrefixCache:
     entries: list[Cached] = field(default_factory=list)
 
     def take(self, prompt: list[int]) -> tuple[SequenceHandle | None, int]:
+        """The sequence sharing the longest prefix with ``prompt`` (taken out of the
+        cache), and that length; (None, 0) where none shares a token."""
+        best, best_len = self._best(prompt)
+        if best is None:
+            return None, 0
+        self.entries.remove(best)
+        return best.seq, best_len
+
+    def longest(self, prompt: list[int]) -> int:
+        """How long a prefix of ``prompt`` ``take`` would find (the cache unchanged)."""
+        return self._best(prompt)[1]
+
+    def _best(self, prompt: list[int]) -> tuple[Cached | None, int]:
         best, best_len = None, 0
         for entry in self.entries:
             seq = entry.seq
             n = common_prefix(seq.tokens[: seq.cached], prompt)
             if n > best_len:
                 best, best_len = entry, n
-        if best is None:
-            return None, 0
-        self.entries.remove(best)
-        return best.seq, best_len
+        return best, best_len
 
     def put(self, seq: SequenceHandle, reply: ChatReply | None = None) -> None:
         size = reply.nbytes() if reply is not None else 0

@@ -32,4 +32,6 @@ async def server_stats(server: Server) -> dict[str, Any]:
             "replies": sum(e.reply is not None for e in server.cache.entries),
             "reply_follow_ups": server.reply_follow_ups,
         },
+        # on disk (--prefix-cache-dir), null without one
+        "prefix_store": server.store.stats() if server.store is not None else None,
     }

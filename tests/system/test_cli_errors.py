@@ -206,6 +206,8 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
         (["serve", "--api-key-file", "/dev/null"], "--api-key-file /dev/null is empty"),
         (["serve", "--idle-timeout", "0"], "--idle-timeout must be above 0"),
         (["serve", "--max-connections", "0"], "--max-connections at least 1"),
+        (["serve", "--prefix-cache-dir", "/etc/hostname"], "is a file; name a directory"),
+        (["serve", "--prefix-cache-disk", "lots"], "--prefix-cache-disk"),
     ],
 )
 def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):
