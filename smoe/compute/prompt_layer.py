@@ -24,6 +24,11 @@ from smoe.compute.solo_rows import reference_rows_of
 from smoe.compute.switch import CallAssembly
 from smoe.compute.tracing import LayerTrace, WaveTime
 
+# A pass keeps at most all but 1/ROOM_SHARE of the ring for one layer: room for other
+# requests' steps between its steps (a decode step of one sequence at a quarter ring
+# of an 18-layer Qwen3-30B: 8 experts x 18 layers = a quarter of 576 slots).
+ROOM_SHARE = 4
+
 
 class PromptLayerServing:
     """``prompt_layer_steps`` for StreamingExperts (which provides ``layer``, ``_source``,
@@ -39,22 +44,28 @@ class PromptLayerServing:
     ) -> Generator[float, None, list[mx.array]]:
         """This layer for every chunk of a prompt, in prompt order, in steps: each ``yield``
         follows a step and gives its work in chunks' expert calls (the caller may run
-        other work there: nothing is pinned). Where the union fits the ring, the first step
-        pins and reads all of it and computes the first chunk, and each later step one more
-        chunk on its experts, pinned again (still in the ring unless other work evicted them
-        meanwhile); else a step is a wave of the ring's capacity, computed for every chunk.
+        other work there: nothing is pinned). Where the union fits the ring (less the
+        room left to others), the first step pins and reads all of it and computes the
+        first chunk, and each later step one more chunk on its experts, pinned again (still
+        in the ring unless other work evicted them meanwhile); else the union runs in
+        waves of that size, each read once, and a step computes one wave for a group of
+        chunks worth about one chunk's expert work (the wave pinned again each step).
 
         calls: (x [..., D], idx [..., k] expert ids on the host) per chunk; returns each
         chunk's output [..., k, D], evaluated. Read errors are raised after every slot
-        pinned here has been released."""
+        pinned here has been released. A quarter of the ring (``ROOM_SHARE``) is left to
+        the steps of other requests that run between this pass's steps."""
         start, waited = time.perf_counter(), self._source.wait_seconds
         idxs = [idx for _, idx in calls]
         experts = np.unique(np.concatenate([i.reshape(-1) for i in idxs])).tolist()
+        # What this pass may keep in the ring: the rest is other requests' room between
+        # its steps, so that their steps do not evict what its next step needs.
         capacity = self._source.capacity()
+        held = capacity - capacity // ROOM_SHARE if capacity >= 2 * ROOM_SHARE else capacity
         refs = [reference_rows_of(idx.size, idx.shape[-1]) for idx in idxs]
         wave_times: list[WaveTime] = []
-        in_ring = 0
-        if len(experts) <= capacity:
+        in_ring, waves = 0, 1
+        if len(experts) <= held:
             ys: list[mx.array] = []
             for i, ((x, idx), ref) in enumerate(zip(calls, refs, strict=True)):
                 wanted = experts if i == 0 else np.unique(idx).tolist()
@@ -70,19 +81,26 @@ class PromptLayerServing:
                     lease.release()  # the one release, also when a read failed
                 yield 1.0
         else:
+            # Waves of ``held`` experts, each read once; a step computes a wave for a
+            # group of chunks worth about one chunk's expert work, then releases it.
             parts = [CallAssembly(x, idx) for x, idx in calls]
-            waves = -(-len(experts) // capacity)
-            for first in range(0, len(experts), capacity):
-                wave = experts[first : first + capacity]
-                wave_times.append(self._wave(calls, parts, refs, wave))
-                yield len(calls) / waves
+            firsts = range(0, len(experts), held)
+            waves = len(firsts)
+            for first in firsts:
+                wave = experts[first : first + held]
+                share = len(wave) / len(experts)  # of each chunk's expert work
+                group = max(1, round(1 / share))
+                for a in range(0, len(calls), group):
+                    b = min(len(calls), a + group)
+                    wave_times.append(self._wave(calls[a:b], parts[a:b], refs[a:b], wave))
+                    yield (b - a) * share
             ys = [part.result() for part in parts]
         if self._tracer is not None:
             trace = LayerTrace(
                 self.layer,
                 sum(int(np.prod(idx.shape[:-1])) for idx in idxs),
                 len(experts),
-                max(1, len(wave_times)),
+                waves,
                 in_ring,
                 phase=0,
                 wait_s=self._source.wait_seconds - waited,

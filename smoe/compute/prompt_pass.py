@@ -69,6 +69,10 @@ class _Chunk(greenlet):  # type: ignore[misc]  # greenlet's stubs: subclassing i
 # A chunk's attention at one layer (a start or a resume), or its experts there: half of
 # that chunk's work at the layer, the unit a caller budgets turns in.
 CHUNK_HALF = 0.5
+# Attention's cost grows with the context: a chunk's attention half counts once per this
+# many tokens of context before its end (at least once), so that a turn of late chunks
+# is not several times longer than one of early chunks (docs/performance.md, the gap).
+CONTEXT_UNIT = 512
 
 
 def current_chunk() -> _Chunk | None:
@@ -83,7 +87,7 @@ class PromptPass:
     ``run_chunk(piece)`` runs one chunk's model call (its KV appended to the cache the
     caller gave it) and returns what the caller wants of it (logits, or None). A unit
     (``step``) is one chunk started or resumed, which runs it up to its next MoE layer (its
-    attention there), or, once every chunk waits at a layer, a step of serving that layer
+    attention there, costed by its context: ``CONTEXT_UNIT``), or, once every chunk waits at a layer, a step of serving that layer
     for all of them (``PromptLayer.prompt_layer_steps``: the union read once, then a chunk
     or a wave a step). ``advance(budget)`` runs units until ``budget`` chunk units are spent (None: to
     the end), so a caller can stop between any two chunks and let other work run; ``done``
@@ -143,14 +147,14 @@ class PromptPass:
             if self._outs:
                 i, out = self._outs.popleft()
                 self._asks[i] = self._settle(i, self._chunks[i].switch(out))
-                return CHUNK_HALF
+                return self._attention(i)
             if len(self._chunks) < len(self._pieces):
                 i = len(self._chunks)
                 chunk = _Chunk(self._run_chunk)
                 chunk.gr_context = contextvars.copy_context()  # the caller's settings
                 self._chunks.append(chunk)
                 self._asks.append(self._settle(i, chunk.switch(self._pieces[i])))
-                return CHUNK_HALF
+                return self._attention(i)
             waiting = [(i, a) for i, a in enumerate(self._asks) if a is not None]
             if not waiting:
                 return 0.0
@@ -163,6 +167,12 @@ class PromptPass:
         except BaseException:
             self.close()
             raise
+
+    def _attention(self, i: int) -> float:
+        """The work of chunk ``i``'s attention at a layer: a half per CONTEXT_UNIT tokens
+        of the context it attends to (at least one half)."""
+        context = sum(len(p) for p in self._pieces[: i + 1])
+        return CHUNK_HALF * max(1.0, context / CONTEXT_UNIT)
 
     def _settle(self, i: int, what: Any) -> _Ask | None:
         """A chunk's switch came back: suspended at a layer (its ask), or finished."""

@@ -114,3 +114,64 @@ def test_which_architectures_prefill_layer_major():
     }
     assert not layer_major_prefill(sliding_second)  # its window mask reads layer 1's fill
     assert not layer_major_prefill({"model_type": "llama"})  # not known: chunk by chunk
+
+
+def test_a_late_chunks_attention_costs_more_the_longer_its_context():
+    """A turn of late chunks is not several times longer than one of early chunks: their
+    attention half counts once per CONTEXT_UNIT tokens of context."""
+    from smoe.compute.prompt_pass import CHUNK_HALF, CONTEXT_UNIT
+
+    log: list = []
+    chunk = CONTEXT_UNIT // 2
+    pieces = [[i] * chunk for i in range(6)]
+    p = PromptPass(model_of([FakeMoE(0, log)], log), pieces)
+    starts = [p.step() for _ in pieces]  # each chunk started: its attention at layer 0
+    assert starts == [CHUNK_HALF * max(1.0, (i + 1) * chunk / CONTEXT_UNIT) for i in range(6)]
+    assert starts[-1] == 3 * CHUNK_HALF
+
+
+class WaveSource:
+    """A ring of ``capacity`` slots that logs what each acquire pins (a fake StreamSource)."""
+
+    def __init__(self, capacity: int):
+        self.slots, self.pinned, self.wait_seconds = capacity, [], 0.0
+
+    def capacity(self) -> int:
+        return self.slots
+
+    def acquire(self, layer: int, experts: list[int]) -> list[int]:
+        self.pinned.append(list(experts))
+        return list(range(len(experts)))
+
+    def release(self, slots: list[int]) -> None:
+        pass
+
+
+def test_waves_leave_room_for_others_and_a_step_is_about_one_chunks_experts(monkeypatch):
+    """A union larger than what the pass may hold runs in waves of three quarters of the
+    ring, each expert in one wave; a step computes one wave for a group of chunks worth
+    about one chunk's expert work."""
+    from smoe.compute.prompt_layer import ROOM_SHARE, PromptLayerServing
+    from smoe.compute.switch import CallAssembly
+
+    class Layer(PromptLayerServing):
+        layer, _tracer = 0, None
+
+        def __init__(self, source: WaveSource) -> None:
+            self._source = source
+
+        def _compute(self, x, idx, experts, slots, ref, sort=None):
+            return mx.zeros((len(experts),))
+
+    monkeypatch.setattr(CallAssembly, "add", lambda self, mine, compute: None)
+    monkeypatch.setattr(CallAssembly, "result", lambda self: mx.zeros((1,)))
+    source = WaveSource(capacity=16)
+    rng = np.random.default_rng(0)
+    calls = [(mx.zeros((8, 4)), rng.permutation(32)[:16].reshape(8, 2)) for _ in range(12)]
+    work = list(Layer(source).prompt_layer_steps(calls))
+    held = 16 - 16 // ROOM_SHARE
+    union = np.unique(np.concatenate([idx.reshape(-1) for _, idx in calls])).tolist()
+    waves = {tuple(w) for w in source.pinned}
+    assert all(len(w) <= held for w in waves)
+    assert sorted(e for w in waves for e in w) == union  # each expert in one wave
+    assert sum(work) == pytest.approx(len(calls)) and max(work) <= 1.5
