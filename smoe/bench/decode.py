@@ -159,13 +159,24 @@ class _PhaseReads:
     last (0: the prompt's layer-major pass, 1: a decode step, the first token's included):
     every read of a streamed call follows its routing and ends before the pass goes on."""
 
-    def __init__(self, inner: Any, phase: list[int], bytes_by_phase: list[int]) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        phase: list[int],
+        bytes_by_phase: list[int],
+        layer_of: Any = None,
+        pass_by_layer: dict[int, int] | None = None,
+    ) -> None:
         self.inner, self.phase, self.bytes_by_phase = inner, phase, bytes_by_phase
+        self.layer_of, self.pass_by_layer = layer_of, pass_by_layer
 
     async def read(self, record: int, slot: int, priority: int = 0) -> int:
         phase = self.phase[0]
         n = await self.inner.read(record, slot, priority)
         self.bytes_by_phase[phase] += n
+        if phase == 0 and self.pass_by_layer is not None:
+            layer = self.layer_of(record)
+            self.pass_by_layer[layer] = self.pass_by_layer.get(layer, 0) + n
         return n
 
     def __getattr__(self, name: str) -> Any:
@@ -183,6 +194,7 @@ async def _prefill_once(
 
     union: dict[int, set[int]] = {}
     phase, by_phase = [0], [0, 0]
+    by_layer: dict[int, int] = {}  # the pass's bytes read per decoder layer
 
     def seen(layer: int, idx: Any) -> None:
         phase[0] = current_pass().phase
@@ -196,7 +208,10 @@ async def _prefill_once(
         runner = engine.debug.runner
         runner.layer_major = runner.layer_major and layer_major
         engine.debug.tracer.observers.on_routing = seen
-        engine.debug.scheduler.wrap_backend(lambda inner: _PhaseReads(inner, phase, by_phase))
+        layer_of = lambda record: vault.manifest.record_key(record)[0]  # noqa: E731
+        engine.debug.scheduler.wrap_backend(
+            lambda inner: _PhaseReads(inner, phase, by_phase, layer_of, by_layer)
+        )
         stats = None
         async for ev in engine.generate(prompt, max_tokens=1, stop_at_eos=False):
             stats = ev.stats or stats
@@ -205,6 +220,8 @@ async def _prefill_once(
             "pass_bytes": by_phase[0],
             "first_step_bytes": by_phase[1],
             "union_records": sum(len(experts) for experts in union.values()),
+            "pass_bytes_by_layer": by_layer,
+            "union_records_by_layer": {layer: len(e) for layer, e in union.items()},
             "ring": engine.ring,
             "direct": engine.reader.direct,
             "layer_major": runner.layer_major,
@@ -252,6 +269,14 @@ async def bench_prefill(
                         "pass_bytes": run["pass_bytes"],
                         "union_bytes": union,
                         "bytes_over_union": round(run["pass_bytes"] / union, 4),
+                        # per MoE layer: the worst layer's bytes against its own union
+                        "max_layer_bytes_over_union": round(
+                            max(
+                                run["pass_bytes_by_layer"].get(layer, 0) / (n * stride)
+                                for layer, n in run["union_records_by_layer"].items()
+                            ),
+                            4,
+                        ),
                         # the last prompt token's step, run alone as mlx-lm runs it
                         "first_step_bytes": run["first_step_bytes"],
                         "prefill_bytes": stats.prefill_bytes,

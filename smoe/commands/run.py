@@ -796,7 +796,7 @@ def add_serve(sub: Any) -> None:
         metavar="DIR",
         help="keep long prompts' KV caches (256 tokens or more) in DIR, so that a restarted "
         "server does not prefill a repeated long prompt again (checksummed; another model's "
-        "or a damaged entry is ignored)",
+        "or a damaged entry is ignored; default: none, nothing kept on disk)",
     )
     sv.add_argument(
         "--prefix-cache-disk",

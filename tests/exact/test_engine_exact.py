@@ -196,7 +196,7 @@ async def test_every_memory_budget_gives_the_same_bits(quantized):
             waves = max(t.waves for t in engine.debug.tracer.counters.calls)
             if name == "minimum":
                 assert waves > 1, "the minimal ring must split MoE layers into waves"
-            else:
+            elif name == "all":  # (at half, a prompt's layer may run in waves: ROOM_SHARE)
                 assert waves == 1, name
             step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
             for i, (a, b) in enumerate(zip(step_logits, ref_step_logits, strict=True)):

@@ -124,7 +124,7 @@ def test_bench_decode_and_prefill_report(vault, run_cli):
     for r in runs:  # layer-major reads each layer's union once; chunk by chunk, no less
         assert r["prefill_bytes"] > 0 and r["union_bytes"] > 0
         assert (
-            (r["bytes_over_union"] == 1.0)
+            (r["bytes_over_union"] == 1.0 == r["max_layer_bytes_over_union"])
             if r["schedule"] == "layer"
             else r["bytes_over_union"] >= 1.0
         )
