@@ -85,3 +85,38 @@ def limited(cmd: list[str], limit: int, **kw: object) -> LimitedRun | None:
     finally:
         with contextlib.suppress(OSError):
             group.rmdir()
+
+
+@contextlib.contextmanager
+def limited_popen(cmd: list[str], limit: int, **kw: object):
+    """``subprocess.Popen(cmd, **kw)`` as the only member of a new memory group limited to
+    ``limit`` bytes, for a process the caller talks to (a server); yields ``(process,
+    counts)`` where ``counts()`` gives the group's ``(peak, oom_kills)`` so far, or yields
+    None where no group can be made. The process is killed on exit if still running."""
+    made = _make_group(limit)
+    if made is None:
+        yield None
+        return
+    group, version = made
+    procs = group / "cgroup.procs"
+
+    def join() -> None:
+        procs.write_text(str(os.getpid()))
+
+    def counts() -> tuple[int, int]:
+        if version == "v2":
+            peak_file = group / "memory.peak"
+            peak = int(peak_file.read_text()) if peak_file.exists() else 0
+            return peak, _read_counter(group / "memory.events", "oom_kill")
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        return peak, _read_counter(group / "memory.oom_control", "oom_kill")
+
+    process = subprocess.Popen(cmd, preexec_fn=join, **kw)  # type: ignore[call-overload]
+    try:
+        yield process, counts
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        with contextlib.suppress(OSError):
+            group.rmdir()

@@ -277,6 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
+    from smoe.serve.intake import MIN_REQUEST_MEMORY, serve_reserve
 
     _log_to_stderr(args.log_level)
     api_key, guard = serve_guard(args)
@@ -301,6 +302,12 @@ async def _serve(args: argparse.Namespace) -> int:
     prefix_dir = args.prefix_cache_dir
     if prefix_dir is not None and await aiofiles.os.path.isfile(prefix_dir):
         raise SmoeError(f"--prefix-cache-dir {prefix_dir} is a file; name a directory")
+    request_memory = _size_flag("--request-memory", args.request_memory)
+    if request_memory < MIN_REQUEST_MEMORY:
+        raise SmoeError(
+            f"--request-memory must be at least {MIN_REQUEST_MEMORY // 2**20}MiB (a large "
+            "body arriving and one request's preparation)"
+        )
     options = ServerOptions(
         api_key=api_key,
         guard=guard,
@@ -315,8 +322,13 @@ async def _serve(args: argparse.Namespace) -> int:
         cached_bytes=_size_flag("--prefix-cache", args.prefix_cache),
         prefix_dir=None if prefix_dir is None else Path(prefix_dir),
         prefix_dir_bytes=_size_flag("--prefix-cache-disk", args.prefix_cache_disk),
+        request_memory=request_memory,
     )
-    async with Engine.open(vault, **_engine_options(args), max_batch=args.max_batch) as engine:
+    reserve = serve_reserve(args.max_connections, request_memory)
+    engine = Engine.open(
+        vault, **_engine_options(args), max_batch=args.max_batch, host_reserve=reserve
+    )
+    async with engine:
         _say_memory(engine, not engine.speaks)
         if await _follow_rank0(engine):
             return 0
@@ -769,8 +781,17 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--max-connections",
         type=int,
-        default=512,
-        help="connections open at once; past it a new one gets 503 (default 512)",
+        default=128,
+        help="connections open at once; past it a new one gets 503 (default 128; each is "
+        "counted in --memory: 256 KiB of buffers)",
+    )
+    sv.add_argument(
+        "--request-memory",
+        default="64MiB",
+        metavar="SIZE",
+        help="memory for request bodies arriving and requests being prepared, counted in "
+        "--memory: half for large bodies arriving (past it 503), half the most one "
+        "request's parsing or tokenizing may take (past it 413) (default 64MiB)",
     )
     sv.add_argument(
         "--max-queue",

@@ -61,11 +61,16 @@ class EngineOptions:
     # The CPU's matmuls: "auto" (S-MoE's kernels, MLX's bits, where they run:
     # smoe.compute.native) or "mlx" (MLX's own kernels, one core each).
     cpu_kernels: str = "auto"
+    # Host bytes the caller keeps beside the engine, counted in working memory: `smoe
+    # serve`'s connections and requests (smoe.serve.intake.serve_reserve).
+    host_reserve: int = 0
 
     def __post_init__(self) -> None:
         """The checks that need no model (SmoeError naming the fix)."""
         if self.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
+        if self.host_reserve < 0:
+            raise SmoeError("host_reserve must be at least 0 bytes")
         if self.cpu_kernels not in CPU_KERNELS:
             raise SmoeError(f"cpu_kernels must be auto or mlx, not {self.cpu_kernels!r}")
         if self.max_batch is not None and self.max_batch < 1:

@@ -85,6 +85,7 @@ def plan(model: Any, options: EngineOptions, workers: int, batchable: bool = Fal
             kv_bits=o.kv_bits,
             prefill_chunk=o.prefill_chunk,
             workers=workers,
+            host_reserve=o.host_reserve,
         )
 
     def fits(context: int) -> bool:

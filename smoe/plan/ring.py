@@ -185,15 +185,17 @@ def budget_parts(
     kv_bits: int | None = None,
     prefill_chunk: int = 64,
     workers: int = 4,
+    host_reserve: int = 0,
 ) -> BudgetParts:
     """The budget's parts beside the ring (smoe.plan.budget.budget_parts_for) for this vault: its
     backbone as loaded, a staged ring's host landing buffers (2 per worker), and, for a
     model run from its shards, the reader's bounce buffers (host memory, so not in a
-    discrete GPU's budget)."""
+    discrete GPU's budget), and ``host_reserve`` (what the caller keeps: `smoe serve`'s
+    clients)."""
     dsize = int(dtype.size)
     landing = 2 * workers * (vault.manifest.record.stride + RECORD_ALIGN) if kind == "staged" else 0
-    if not discrete:  # a download's reader keeps bounce buffers (host memory)
-        landing += reader_host_bytes(vault, workers)
+    if not discrete:  # host memory: a download's reader's bounce buffers, the caller's
+        landing += reader_host_bytes(vault, workers) + host_reserve
     return budget_parts_for(
         vault.config(),
         loaded_backbone_bytes(vault, dtype),
@@ -245,6 +247,7 @@ def plan_ring(
     kv_bits: int | None = None,
     prefill_chunk: int = 64,
     workers: int = 4,
+    host_reserve: int = 0,
 ) -> RingPlan:
     """The ring to build (module docstring). ``memory`` is the whole process's budget
     (smoe.plan.budget); the plan's ``fit`` says how it divides. Raises SmoeError naming
@@ -284,6 +287,7 @@ def plan_ring(
             kv_bits=kv_bits,
             prefill_chunk=prefill_chunk,
             workers=workers,
+            host_reserve=host_reserve,
         )
         budget = fit(memory, needs, slot_bytes=per_slot, min_slots=top_k, num_records=m.num_records)
         count = budget.slots

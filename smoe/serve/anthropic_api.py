@@ -20,6 +20,7 @@ from aiohttp import web
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Completion, Format, Usage, sse
 from smoe.serve.describe import show
+from smoe.serve.intake import off_loop
 from smoe.serve.tools import ToolCall
 from smoe.serve.validate import (
     Limits,
@@ -189,12 +190,13 @@ def routes(server: Server) -> list[web.RouteDef]:
     """The Messages API's routes on ``server``."""
 
     async def prompt(request: web.Request, table: dict[str, Spec]) -> tuple[Any, ...]:
-        f = validate_fields(await server.read_body(request), table, server.limits)
-        messages = f["messages"]
-        if f["system"]:
-            messages = [{"role": "system", "content": f["system"]}, *messages]
-        tools = f["tools"] if f.get("tool_choice", {}).get("type") != "none" else []
-        ids, turn = server.template(messages, tools)
+        async with server.preparing(request) as body:
+            f = await off_loop(validate_fields, body, table, server.limits)
+            messages = f["messages"]
+            if f["system"]:
+                messages = [{"role": "system", "content": f["system"]}, *messages]
+            tools = f["tools"] if f.get("tool_choice", {}).get("type") != "none" else []
+            ids, turn = await server.template(messages, tools)
         return f, ids, turn, tools
 
     async def messages(request: web.Request) -> web.StreamResponse:

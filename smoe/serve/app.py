@@ -34,10 +34,10 @@ import errno
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 from aiohttp import web
@@ -49,7 +49,7 @@ from smoe.engine.handles import SequenceHandle
 from smoe.engine.prefix_store import MIN_TOKENS, PrefixStore
 from smoe.errors import ShuttingDown, SmoeError
 from smoe.sampling import SamplingParams
-from smoe.serve import anthropic_api, ollama_api, openai_api
+from smoe.serve import anthropic_api, cors, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
 from smoe.serve.body import MAX_BODY_BYTES, check_content_type, parse_body
 from smoe.serve.completion import (
@@ -60,17 +60,26 @@ from smoe.serve.completion import (
     send,
     stream_failure,
 )
-from smoe.serve.guard import Guard, key_matches
+from smoe.serve.guard import Guard, key_matches, sent_key
+from smoe.serve.intake import (
+    READ_BUFSIZE,
+    REQUEST_MEMORY,
+    RequestMemory,
+    off_loop,
+    read_body,
+)
 from smoe.serve.listener import listen
 from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from smoe.serve.metrics import render as render_metrics
-from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
+from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids, reply_prompt
 from smoe.serve.stats import server_stats
 from smoe.serve.stops import StopMatcher
 from smoe.serve.tools import ToolCallSplitter, check_tool_support
 from smoe.serve.validate import Limits, validate_request
+from smoe.serve.vocab import text_limit
 
 __all__ = ["Server", "ServerOptions", "serve"]
+T = TypeVar("T")
 
 MAX_TOKENS_LIMIT = 32768
 log = logging.getLogger("smoe.serve")
@@ -97,6 +106,8 @@ http_log = logging.getLogger("smoe.serve.http")  # aiohttp's protocol messages
 access_log = logging.getLogger("smoe.serve.access")  # a line per request (Server._access)
 # The tokens the request in this task generated, for its access line (set by Server._run)
 _generated: contextvars.ContextVar[list[int]] = contextvars.ContextVar("smoe_generated")
+# Set on a request whose client went away: its access line says 499
+DROPPED = web.RequestKey("smoe_dropped", bool)
 http_log.addFilter(_MalformedHttp())
 
 
@@ -115,6 +126,8 @@ class ServerOptions:
     prefix_min_tokens: int = MIN_TOKENS
     prewarm_when_idle: bool = True  # read the hottest experts into empty slots when idle
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
+    # Bodies arriving and requests being prepared hold at most this (smoe/serve/intake.py)
+    request_memory: int = REQUEST_MEMORY
     body_timeout_s: float = 60.0  # a body slower than this gets 408 (a stalled client)
     # What a request that does not say gets (`smoe serve --temp/--top-p/--max-tokens`,
     # else the model's generation_config; greedy as mlx_lm.server without either).
@@ -128,7 +141,7 @@ class ServerOptions:
     # A socket idle this long (nothing sent yet, or between requests) is closed; past
     # max_connections open at once a new one gets 503 and is closed (smoe/serve/listener.py).
     idle_timeout_s: float = 30.0
-    max_connections: int = 512
+    max_connections: int = 128  # each holds up to intake.CONNECTION_BYTES, in the plan
 
 
 @dataclass
@@ -198,7 +211,13 @@ class Server:
             middlewares=[self._access, self._errors, self._auth],
             client_max_size=options.max_body_bytes,
         )
+        self.app.on_response_prepare.append(self._cors_headers)
         self.vocab = engine.vault.manifest.shape.vocab_size
+        self.memory = RequestMemory(options.request_memory)
+        self.in_preparation = 0  # requests reading or preparing (counted against max_queue)
+        # The most bytes of text the context may hold in tokens (smoe/serve/vocab.py)
+        tok = engine.tokenizer
+        self.text_limit = None if tok is None else text_limit(tok, engine.max_context)
         self.app.add_routes(
             [
                 web.get("/", self.root),
@@ -224,7 +243,7 @@ class Server:
         _generated.set(generated)  # the handler runs in this task: it appends to it
         try:
             response: web.StreamResponse = await handler(request)
-            status = response.status
+            status = 499 if request.get(DROPPED) else response.status
             return response
         finally:
             self.counts.by_status[status] += 1
@@ -259,8 +278,10 @@ class Server:
             response = error_response(
                 request.path, http_error(request, e, self.options.max_body_bytes)
             )
-        except ConnectionError:  # the client has gone; aiohttp drops the connection quietly
-            raise
+        except ConnectionError:  # the client has gone: nobody to answer (aiohttp's write
+            # of this response fails quietly); the access line says 499
+            request[DROPPED] = True
+            response = web.Response(status=499)
         except Exception as e:  # not the request's fault: keep serving, tell no internals
             response = error_response(request.path, self._failure(e, rid))
         if not response.prepared:  # a stream has sent its headers already, with the id
@@ -273,16 +294,22 @@ class Server:
         if refusal is not None:
             raise ApiError(403, refusal, "permission_error", code="forbidden_origin")
         key = self.options.api_key
+        if request.method == "OPTIONS" and _route_exists(request):
+            # a preflight: browsers send no key with it (smoe/serve/cors.py)
+            if cors.is_preflight(request):
+                return cors.preflight(request)
+            return web.Response(status=204, headers={"Allow": cors.METHODS})
         if key and request.path not in ("/", "/health"):
-            # OpenAI's and Ollama's clients send a Bearer key, Anthropic's x-api-key.
-            bearer = request.headers.get("Authorization", "")
-            sent = bearer[7:] if bearer.startswith("Bearer ") else request.headers.get("x-api-key")
+            sent = sent_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
             if sent is None or not key_matches(key, sent):
                 raise ApiError(
                     401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
                 )
         response: web.StreamResponse = await handler(request)
         return response
+
+    async def _cors_headers(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        cors.add_headers(self.guard, request, response)
 
     def _failure(self, e: Exception, rid: str) -> ApiError:
         """``failure(e, rid)``, remembered for /health when it is the server's (a 503)."""
@@ -352,24 +379,52 @@ class Server:
         """What a request may ask of this model (the vocabulary, the longest reply)."""
         return Limits(vocab=self.vocab, max_tokens=min(MAX_TOKENS_LIMIT, self.engine.max_context))
 
+    @contextlib.asynccontextmanager
+    async def preparing(self, request: web.Request) -> AsyncIterator[dict[str, Any]]:
+        """The request's JSON object, for its preparation (fields checked, templated,
+        tokenized: each with ``off_loop``) inside this block. The body is read within the
+        request memory, then parsed on a worker thread; the block holds one of two lanes
+        (small bodies, large ones) so one request at a time per lane is prepared
+        (smoe/serve/intake.py), and neither the event loop nor a small request waits on
+        a large one. ApiError 429 when ``max_queue`` requests wait for the batch already,
+        counting those being prepared (checked once the body is in, before any work on
+        it), else each 4xx of the body's media type, size, arrival and syntax.
+        Cancellation passes through once a worker thread is done; the body's memory is
+        given back."""
+        check_content_type(request.headers.get("Content-Type"))
+        o = self.options
+        body = await read_body(request, self.memory, o.max_body_bytes, o.body_timeout_s)
+        try:
+            # After the body (its memory is bounded; a stalled one must not hold a queue
+            # place), before any work on it.
+            if self.engine.batcher.queued + self.in_preparation >= o.max_queue:
+                raise ApiError(
+                    429, "too many requests are waiting; retry later", "rate_limit_error"
+                )
+            self.in_preparation += 1
+            try:
+
+                def parse() -> dict[str, Any]:
+                    self.memory.check_parse(body.raw)
+                    return parse_body(body.raw)
+
+                async with self.memory.small_lane if body.small else self.memory.large_lane:
+                    yield await off_loop(parse)
+            finally:
+                self.in_preparation -= 1
+        finally:
+            body.release()
+
     async def _request(self, request: web.Request, endpoint: str) -> dict[str, Any]:
         """The request's fields, validated (smoe/serve/validate.py); ApiError 4xx if not."""
-        return validate_request(await self.read_body(request), endpoint, self.limits)
+        async with self.preparing(request) as body:
+            return await off_loop(validate_request, body, endpoint, self.limits)
 
     async def read_body(self, request: web.Request) -> dict[str, Any]:
-        """The request's JSON object, its media type, size, arrival time and syntax checked
-        (smoe/serve/body.py); ApiError 4xx if not."""
-        check_content_type(request.headers.get("Content-Type"))
-        try:
-            with anyio.fail_after(self.options.body_timeout_s):
-                raw = await request.read()  # 413 past client_max_size
-        except TimeoutError:
-            raise ApiError(
-                408,
-                f"the request body did not arrive within {self.options.body_timeout_s:g} s",
-                code="request_timeout",
-            ) from None
-        return parse_body(raw)
+        """The request's JSON object, checked as ``preparing`` does (for a request that
+        is not templated)."""
+        async with self.preparing(request) as body:
+            return body
 
     def _options(self, fields: dict[str, Any], prompt: int, chat: bool) -> RequestOptions:
         """The generation settings of validated ``fields`` for a ``prompt`` of so many
@@ -414,20 +469,24 @@ class Server:
         )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        fields = await self._request(request, "chat")
-        tools = fields["tools"] if fields["tool_choice"] != "none" else []
-        ids, turn = self.template(fields["messages"], tools)
+        async with self.preparing(request) as body:
+            fields = await off_loop(validate_request, body, "chat", self.limits)
+            tools = fields["tools"] if fields["tool_choice"] != "none" else []
+            ids, turn = await self.template(fields["messages"], tools)
         return await self.answer(
             request, fields, ids, openai_api.OpenAIFormat, chat=True, turn=turn, tools=tools
         )
 
-    def template(
+    async def template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], param: str = "tools"
     ) -> tuple[list[int], _Turn | None]:
         """The prompt's ids for chat ``messages`` (and ``tools``, OpenAI's form) through
         the model's chat template, and the turn the prefix cache may keep (plain chats
-        only). ApiError 400 when the model has no tokenizer, cannot call tools (``param``
-        names the field) or its template refuses the messages."""
+        only); the template and the tokenizer run on a worker thread (inside
+        ``preparing``). ApiError 400 when the model has no tokenizer, cannot call tools
+        (``param`` names the field), its template refuses the messages, or their text
+        cannot fit the context; 413 when tokenizing it would take more than a request's
+        memory."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
@@ -436,17 +495,30 @@ class Server:
         plain = not tools and all(
             m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
         )
-        try:
-            # A reply of ours sent back verbatim: continue from the ids it was generated as
-            follow = (
-                self.cache.follow_up(tok, cast(list[dict[str, str]], messages)) if plain else None
+        said = cast(list[dict[str, str]], messages)
+        repeated = self.cache.repeated_reply(said) if plain else None  # (event loop only)
+
+        def render() -> tuple[list[int], bool]:
+            if repeated is not None:  # a reply of ours sent back verbatim: continue its ids
+                new = sum(len(m["content"]) for m in said[repeated[1] :])
+                self.memory.check_tokenize(4 * new)  # (4: UTF-8 bytes per character at most)
+                follow = reply_prompt(tok, said, *repeated)
+                if follow is not None:
+                    return follow, True
+            extra = {"tools": tools} if tools else {}
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra
             )
-            ids = follow
-            if ids is None:
-                extra = {"tools": tools} if tools else {}
-                ids = tok.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, **extra
-                )
+            self._check_text(text if isinstance(text, str) else "", "messages")
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **extra
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids), False
+
+        try:
+            ids, continued = await off_loop(render)
+        except ApiError:
+            raise
         except TemplateError as e:  # the model's template refuses them (e.g. role order)
             raise ApiError(
                 400,
@@ -462,20 +534,40 @@ class Server:
                 param="messages",
                 code="invalid_value",
             ) from None
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        turn = _Turn(cast(list[dict[str, str]], messages), continued=follow is not None)
-        return ids, turn if plain else None
+        return ids, _Turn(said, continued=continued) if plain else None
+
+    def _check_text(self, text: str, param: str) -> None:
+        """400 when ``text`` has more bytes than the context can hold in tokens, 413 when
+        tokenizing it would take more than a request's memory (worker thread)."""
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if self.text_limit is not None and n > self.text_limit:
+            raise ApiError(
+                400,
+                f"the prompt's {n} bytes of text cannot fit the context of "
+                f"{self.engine.max_context} tokens; shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+        self.memory.check_tokenize(n)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        fields = await self._request(request, "completions")
-        prompt = fields["prompt"]
-        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        async with self.preparing(request) as body:
+            fields = await off_loop(validate_request, body, "completions", self.limits)
+            prompt = fields["prompt"]
+            ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
         return await self.answer(request, fields, ids, openai_api.OpenAIFormat, chat=False)
 
-    def encode(self, text: str) -> list[int]:
-        """``text``'s ids as the tokenizer gives them; ApiError 400 if there is none."""
-        try:
+    async def encode(self, text: str) -> list[int]:
+        """``text``'s ids as the tokenizer gives them, on a worker thread (inside
+        ``preparing``); ApiError 400 if there is none or the text cannot fit the context, 413 as
+        ``template``."""
+
+        def encode() -> list[int]:
+            self._check_text(text, "prompt")
             return self.engine.encode(text)
+
+        try:
+            return await off_loop(encode)
         except SmoeError as e:  # no tokenizer: the client must send token ids
             raise ApiError(400, str(e), param="prompt") from None
 
@@ -532,10 +624,9 @@ class Server:
         request_id = _request_id.get()
         kept: ChatReply | None = None  # what the prefix cache keeps of a chat reply
         response = None
-        if opts.stream:
-            response = await open_stream(request, request_id, fmt.stream_type)
         try:
-            if response is not None:
+            if opts.stream:  # (inside: a client gone before the headers is a 499 too)
+                response = await open_stream(request, request_id, fmt.stream_type)
                 await send(response, fmt.opening(len(ids), reused))
             await self._generate(ids, opts, seq, prepared, fmt, response)
             self.failing = None  # a generation went through: the engine serves again
@@ -549,7 +640,8 @@ class Server:
         except ConnectionError:
             if response is None:
                 raise
-            return response  # the client has gone: nobody to tell
+            request[DROPPED] = True  # the client has gone: nobody to tell
+            return response
         except Exception as e:
             if response is None:
                 raise
@@ -645,6 +737,12 @@ class Server:
         return ChatReply(turn.messages, text, end)
 
 
+def _route_exists(request: web.Request) -> bool:
+    """Whether the request's path is one of ours (its method aside)."""
+    refusal = request.match_info.http_exception
+    return refusal is None or refusal.status == 405
+
+
 def _line(e: object) -> str:
     """An exception's message on one line, at most 200 characters."""
     text = " ".join(str(e).split()) or type(e).__name__
@@ -692,6 +790,7 @@ async def serve(
         logger=http_log,
         shutdown_timeout=options.shutdown_s,
         keepalive_timeout=options.idle_timeout_s,  # idle sockets, before and between requests
+        read_bufsize=READ_BUFSIZE,  # what a connection's unread body may hold (intake.py)
     )
     if server.store is not None:
         await server.store.open()  # (SmoeError: a directory it cannot make or list)

@@ -97,8 +97,22 @@ class Guard:
 
 
 def key_matches(key: str, sent: str) -> bool:
-    """Whether ``sent`` is ``key``, in time that does not depend on where they differ."""
-    return hmac.compare_digest(key.encode(), sent.encode())
+    """Whether ``sent`` is ``key``, compared as bytes in time that does not depend on where
+    they differ. A header's bytes that are not UTF-8 (aiohttp keeps them as surrogate
+    escapes) are compared as sent; anything that cannot be compared does not match."""
+    try:
+        return hmac.compare_digest(key.encode(), sent.encode("utf-8", "surrogateescape"))
+    except Exception:  # (a header is a str; this is the last line of defence)
+        return False
+
+
+def sent_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request sends: a Bearer token (OpenAI's and Ollama's clients; the scheme
+    in any case, RFC 7235), else ``x-api-key`` (Anthropic's), else None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return x_api_key
 
 
 def resolve_api_key(flag: str | None, key_file: Path | None) -> str | None:

@@ -21,6 +21,7 @@ from aiohttp import web
 from smoe import __version__
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Format, Usage
+from smoe.serve.intake import off_loop
 from smoe.serve.tools import ToolCall
 from smoe.serve.validate import (
     INT64,
@@ -153,23 +154,26 @@ def routes(server: Server) -> list[web.RouteDef]:
     name = server.options.model_name
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        f = validate_fields(await server.read_body(request), CHAT, server.limits)
-        fields = _engine_fields(f, server.limits)
-        ids, turn = server.template(f["messages"], f["tools"])
+        async with server.preparing(request) as body:
+            f = await off_loop(validate_fields, body, CHAT, server.limits)
+            fields = _engine_fields(f, server.limits)
+            ids, turn = await server.template(f["messages"], f["tools"])
         return await server.answer(
             request, fields, ids, OllamaChat, chat=True, turn=turn, tools=f["tools"]
         )
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        f = validate_fields(await server.read_body(request), GENERATE, server.limits)
-        fields = _engine_fields(f, server.limits)
-        if not f["prompt"]:  # Ollama's way to load a model: answered at once
-            return web.json_response({**_head(name), "response": "", **_done("load")})
-        if f["raw"]:
-            ids = server.encode(f["prompt"])
-        else:
-            system = [{"role": "system", "content": f["system"]}] if f["system"] else []
-            ids, _ = server.template([*system, {"role": "user", "content": f["prompt"]}], [])
+        async with server.preparing(request) as body:
+            f = await off_loop(validate_fields, body, GENERATE, server.limits)
+            fields = _engine_fields(f, server.limits)
+            if not f["prompt"]:  # Ollama's way to load a model: answered at once
+                return web.json_response({**_head(name), "response": "", **_done("load")})
+            if f["raw"]:
+                ids = await server.encode(f["prompt"])
+            else:
+                system = [{"role": "system", "content": f["system"]}] if f["system"] else []
+                user = {"role": "user", "content": f["prompt"]}
+                ids, _ = await server.template([*system, user], [])
         return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
 
     async def tags(request: web.Request) -> web.Response:

@@ -96,8 +96,15 @@ class PrefixCache:
         the reply's end, then the template's tokens for the messages after the reply
         (``follow_up_prompt``, as a Conversation's next turn). So the reply is never
         tokenized again. None where no cached reply is repeated, or the template says
-        otherwise (the caller templates ``messages`` whole). The longest history wins; of
-        equals, the newest."""
+        otherwise (the caller templates ``messages`` whole). Both halves in one call: the
+        server runs ``repeated_reply`` on the event loop, the template work off it."""
+        found = self.repeated_reply(messages)
+        return None if found is None else reply_prompt(tok, messages, *found)
+
+    def repeated_reply(self, messages: list[dict[str, str]]) -> tuple[list[int], int] | None:
+        """The cached stream up to the end of a reply of ours that ``messages`` repeat, and
+        how many messages preceded that reply; None where none is repeated. The longest
+        history wins; of equals, the newest. Event loop only (the cache changes there)."""
         best: ChatReply | None = None
         stream: list[int] = []
         for entry in self.entries:
@@ -114,10 +121,7 @@ class PrefixCache:
             best, stream = r, entry.seq.tokens[: r.end]
         if best is None or len(stream) != best.end:
             return None
-        try:
-            return follow_up_prompt(tok, stream, messages, len(best.messages))
-        except Exception:  # the template (the vault's code) failed: templated whole instead
-            return None
+        return stream, len(best.messages)
 
     def nbytes(self) -> int:
         return sum(entry.nbytes() for entry in self.entries)
@@ -147,3 +151,14 @@ def reply_ids(tok: Any, ids: list[int], text: str, cut: bool) -> int | None:
         else:
             lo = mid + 1
     return lo if decode(lo) == text else None
+
+
+def reply_prompt(
+    tok: Any, messages: list[dict[str, str]], stream: list[int], reply: int
+) -> list[int] | None:
+    """``follow_up_prompt`` for a reply ``repeated_reply`` found; None where the template
+    fails on it (the vault's code: the caller templates the messages whole)."""
+    try:
+        return follow_up_prompt(tok, stream, messages, reply)
+    except Exception:
+        return None
