@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+pytest_plugins = ["tests._isolated_cache"]  # the suite's own SMOE_CACHE
+
 # Small but quantizable at group 64: every expert matrix's input dim is 64 or 128.
 _COMMON = dict(
     vocab_size=256,

@@ -227,6 +227,9 @@ class ChatApp:
                 self.say(f"unknown command {name}; /help lists them")
         except SmoeError as e:
             self.say(f"error: {e}")
+        except Exception as e:  # a bug: the chat and its conversation outlive it
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            self.say(f"error: {name} failed ({why}; an internal error, please report it)")
         return True
 
     def stats_text(self) -> str:

@@ -283,7 +283,7 @@ class Conversation:
             # Read the stream here, under the engine lock: a cancelled turn's last step
             # may have run after the reply was taken.
             if seq is not None:
-                self.engine.runner.settle(seq)  # a pass built ahead is not part of the turn
+                _settle(self.engine.runner, seq)
             meta["tokens"] = json.dumps(seq.tokens if seq is not None else [])
             meta["cached"] = str(seq.cached if seq is not None else 0)
             meta["reply_end"] = json.dumps(self._reply_end)
@@ -311,8 +311,6 @@ class Conversation:
     async def load(cls, engine: Engine, path: str | Path) -> Conversation:
         """Read a conversation written by ``save``. Raises SmoeError (nothing else changes)
         if the file is unreadable, not a conversation, or was saved with another vault."""
-        from mlx_lm.models.cache import load_prompt_cache
-
         path = Path(path)
         suffixed = path.with_name(path.name + ".safetensors")
         # Checked with aiofiles: a slow or network file system does not stall the loop.
@@ -321,43 +319,84 @@ class Conversation:
         if not await aiofiles.os.path.isfile(path):
             raise SmoeError(f"{path} does not exist")
 
-        def read() -> tuple[list[Any], dict[str, str]]:
-            return load_prompt_cache(str(path), return_metadata=True)  # type: ignore[no-any-return]
-
         try:
-            async with engine.exclusive():
-                cache, meta = await engine.compute.run(read)
-        except Exception as e:  # a corrupt file: say so, keep the current chat
-            raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
-        if meta.get("format") not in (FORMAT, conversation_file.FORMAT_1):
-            raise SmoeError(f"{path} is not an S-MoE conversation file")
-        if meta.get("vault") != vault_fingerprint(engine):
+            async with engine.exclusive():  # (the file is read on the compute thread)
+                saved, cache = await engine.compute.run(_read, engine, path)
+        except SmoeError:
+            raise
+        except Exception as e:  # whatever a crafted file does: one line, the chat stays
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             raise SmoeError(
-                f"{path} was saved with another model or dtype "
-                f"({meta.get('model_type')}); load it with the vault it was made with"
-            )
-        try:
-            saved_bits = json.loads(meta.get("kv_bits", "null"))  # absent: saved before kv_bits
-        except ValueError:
-            raise SmoeError(
-                f"{path}: its 'kv_bits' field is not JSON; the file is damaged"
-            ) from None
-        if saved_bits != engine.options.kv_bits:
-            # Its keys/values were computed (and rounded) another way than this engine's.
-            raise SmoeError(
-                f"{path} was saved with "
-                + (f"--kv-bits {saved_bits}" if saved_bits else "a full-precision KV cache")
-                + "; load it with an engine opened with "
-                + (f"--kv-bits {saved_bits}" if saved_bits else "no --kv-bits")
-            )
-        layers = len(engine.runner.new_cache())
-        if len(cache) != layers:
-            raise SmoeError(f"{path} holds {len(cache)} KV layers, this model has {layers}")
-        vocab = engine.vault.manifest.shape.vocab_size
-        async with engine.exclusive():  # (its arrays are read on the compute thread)
-            saved = await engine.compute.run(conversation_file.check, meta, cache, path, vocab)
+                f"{path} could not be loaded ({why}); the conversation in progress is kept"
+            ) from e
         conv = cls(engine, saved.system)
         conv.messages = saved.messages
         conv._seq = Sequence_(cache=cache, tokens=saved.tokens, cached=saved.cached)
         conv._reply_end = saved.reply_end
         return conv
+
+
+def _settle(runner: Any, seq: Sequence_) -> None:
+    """Compute thread: ``seq`` as a file can hold it. A pass built ahead is not part of the
+    turn. A turn cancelled in the middle of a layer-major prefill left its layers out of
+    step (those it passed hold more tokens than the rest): saved so, no engine could load
+    the file. Each layer goes back to the tokens cached before that turn (which the next
+    turn would otherwise throw away with the rest: Runner.prepare starts over)."""
+    runner.settle(seq)
+    if seq.prompt is None:
+        return
+    if not all(c.is_trimmable() for c in seq.cache):  # e.g. a sliding window: start over
+        runner.reset(seq)
+        return
+    seq.prompt.close()
+    seq.prompt = None
+    for c in seq.cache:
+        if c.offset > seq.cached:
+            c.trim(c.offset - seq.cached)
+
+
+def _read(engine: Engine, path: Path) -> tuple[conversation_file.Saved, list[Any]]:
+    """Compute thread: the conversation file at ``path`` checked and read. Its header is
+    checked (against the file's size and this model's cache) before any array is read:
+    what a crafted header declares is never allocated (conversation_file)."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    fresh = engine.runner.new_cache()
+    options = engine.options
+    layout = conversation_file.layout_of(
+        fresh,
+        engine.dtype,
+        engine.vault.config(),
+        engine.max_context,
+        options.kv_bits,
+        engine.runner.kv_group_size,
+    )
+    header = conversation_file.read_header(path, layout.header_limit)
+    meta = header.meta
+    if meta.get("format") not in (FORMAT, conversation_file.FORMAT_1):
+        raise SmoeError(f"{path} is not an S-MoE conversation file")
+    if meta.get("vault") != vault_fingerprint(engine):
+        raise SmoeError(
+            f"{path} was saved with another model or dtype "
+            f"({meta.get('model_type', '?')[:40]}); load it with the vault it was made with"
+        )
+    # absent: saved before kv_bits
+    saved_bits = conversation_file.parse_field({"kv_bits": "null", **meta}, "kv_bits", path)
+    if saved_bits != options.kv_bits:
+        # Its keys/values were computed (and rounded) another way than this engine's.
+        raise SmoeError(
+            f"{path} was saved with "
+            + (f"--kv-bits {saved_bits}" if saved_bits else "a full-precision KV cache")
+            + "; load it with an engine opened with "
+            + (f"--kv-bits {saved_bits}" if saved_bits else "no --kv-bits")
+        )
+    conversation_file.check_arrays(header, layout, path)
+    try:
+        cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as e:  # a corrupt file: say so, keep the current chat
+        raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
+    conversation_file.check_read(header, cache, meta, path)
+    conversation_file.check_kept(cache, fresh, layout, path)
+    vocab = engine.vault.manifest.shape.vocab_size
+    saved = conversation_file.check(meta, cache, path, vocab, engine.max_context)
+    return saved, cache
