@@ -190,13 +190,13 @@ def routes(server: Server) -> list[web.RouteDef]:
     """The Messages API's routes on ``server``."""
 
     async def prompt(request: web.Request, table: dict[str, Spec]) -> tuple[Any, ...]:
-        async with server.preparing(request) as body:
+        async with server.intake.preparing(request) as body:
             f = await off_loop(validate_fields, body, table, server.limits)
             messages = f["messages"]
             if f["system"]:
                 messages = [{"role": "system", "content": f["system"]}, *messages]
             tools = f["tools"] if f.get("tool_choice", {}).get("type") != "none" else []
-            ids, turn = await server.template(messages, tools)
+            ids, turn = await server.intake.template(messages, tools)
         return f, ids, turn, tools
 
     async def messages(request: web.Request) -> web.StreamResponse:

@@ -34,15 +34,14 @@ import errno
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from jinja2 import TemplateError
 
 from smoe.engine import Engine
 from smoe.engine.handles import SequenceHandle
@@ -51,7 +50,7 @@ from smoe.errors import ShuttingDown, SmoeError
 from smoe.sampling import SamplingParams
 from smoe.serve import anthropic_api, cors, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
-from smoe.serve.body import MAX_BODY_BYTES, check_content_type, parse_body
+from smoe.serve.body import MAX_BODY_BYTES
 from smoe.serve.completion import (
     Completion,
     Format,
@@ -64,19 +63,17 @@ from smoe.serve.guard import Guard, key_matches, sent_key
 from smoe.serve.intake import (
     READ_BUFSIZE,
     REQUEST_MEMORY,
-    RequestMemory,
     off_loop,
-    read_body,
 )
 from smoe.serve.listener import listen
 from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from smoe.serve.metrics import render as render_metrics
-from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids, reply_prompt
+from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
+from smoe.serve.prompt import Intake, Turn
 from smoe.serve.stats import server_stats
 from smoe.serve.stops import StopMatcher
-from smoe.serve.tools import ToolCallSplitter, check_tool_support
+from smoe.serve.tools import ToolCallSplitter
 from smoe.serve.validate import Limits, validate_request
-from smoe.serve.vocab import text_limit
 
 __all__ = ["Server", "ServerOptions", "serve"]
 T = TypeVar("T")
@@ -162,14 +159,6 @@ class RequestOptions:
     stop_at_eos: bool
 
 
-@dataclass
-class _Turn:
-    """A chat request's messages, and whether its prompt continues a cached reply."""
-
-    messages: list[dict[str, str]]
-    continued: bool = False
-
-
 def error_json(path: str, e: ApiError) -> dict[str, Any]:
     """``e`` in the error shape of the API that ``path`` belongs to."""
     if path.startswith("/v1/messages"):
@@ -213,11 +202,15 @@ class Server:
         )
         self.app.on_response_prepare.append(self._cors_headers)
         self.vocab = engine.vault.manifest.shape.vocab_size
-        self.memory = RequestMemory(options.request_memory)
-        self.in_preparation = 0  # requests reading or preparing (counted against max_queue)
-        # The most bytes of text the context may hold in tokens (smoe/serve/vocab.py)
-        tok = engine.tokenizer
-        self.text_limit = None if tok is None else text_limit(tok, engine.max_context)
+        # Requests into prompts, within the request memory (smoe/serve/prompt.py)
+        self.intake = Intake(
+            engine,
+            self.cache,
+            max_queue=options.max_queue,
+            max_body_bytes=options.max_body_bytes,
+            body_timeout_s=options.body_timeout_s,
+            request_memory=options.request_memory,
+        )
         self.app.add_routes(
             [
                 web.get("/", self.root),
@@ -379,51 +372,15 @@ class Server:
         """What a request may ask of this model (the vocabulary, the longest reply)."""
         return Limits(vocab=self.vocab, max_tokens=min(MAX_TOKENS_LIMIT, self.engine.max_context))
 
-    @contextlib.asynccontextmanager
-    async def preparing(self, request: web.Request) -> AsyncIterator[dict[str, Any]]:
-        """The request's JSON object, for its preparation (fields checked, templated,
-        tokenized: each with ``off_loop``) inside this block. The body is read within the
-        request memory, then parsed on a worker thread; the block holds one of two lanes
-        (small bodies, large ones) so one request at a time per lane is prepared
-        (smoe/serve/intake.py), and neither the event loop nor a small request waits on
-        a large one. ApiError 429 when ``max_queue`` requests wait for the batch already,
-        counting those being prepared (checked once the body is in, before any work on
-        it), else each 4xx of the body's media type, size, arrival and syntax.
-        Cancellation passes through once a worker thread is done; the body's memory is
-        given back."""
-        check_content_type(request.headers.get("Content-Type"))
-        o = self.options
-        body = await read_body(request, self.memory, o.max_body_bytes, o.body_timeout_s)
-        try:
-            # After the body (its memory is bounded; a stalled one must not hold a queue
-            # place), before any work on it.
-            if self.engine.batcher.queued + self.in_preparation >= o.max_queue:
-                raise ApiError(
-                    429, "too many requests are waiting; retry later", "rate_limit_error"
-                )
-            self.in_preparation += 1
-            try:
-
-                def parse() -> dict[str, Any]:
-                    self.memory.check_parse(body.raw)
-                    return parse_body(body.raw)
-
-                async with self.memory.small_lane if body.small else self.memory.large_lane:
-                    yield await off_loop(parse)
-            finally:
-                self.in_preparation -= 1
-        finally:
-            body.release()
-
     async def _request(self, request: web.Request, endpoint: str) -> dict[str, Any]:
         """The request's fields, validated (smoe/serve/validate.py); ApiError 4xx if not."""
-        async with self.preparing(request) as body:
+        async with self.intake.preparing(request) as body:
             return await off_loop(validate_request, body, endpoint, self.limits)
 
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON object, checked as ``preparing`` does (for a request that
         is not templated)."""
-        async with self.preparing(request) as body:
+        async with self.intake.preparing(request) as body:
             return body
 
     def _options(self, fields: dict[str, Any], prompt: int, chat: bool) -> RequestOptions:
@@ -469,107 +426,20 @@ class Server:
         )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        async with self.preparing(request) as body:
+        async with self.intake.preparing(request) as body:
             fields = await off_loop(validate_request, body, "chat", self.limits)
             tools = fields["tools"] if fields["tool_choice"] != "none" else []
-            ids, turn = await self.template(fields["messages"], tools)
+            ids, turn = await self.intake.template(fields["messages"], tools)
         return await self.answer(
             request, fields, ids, openai_api.OpenAIFormat, chat=True, turn=turn, tools=tools
         )
 
-    async def template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], param: str = "tools"
-    ) -> tuple[list[int], _Turn | None]:
-        """The prompt's ids for chat ``messages`` (and ``tools``, OpenAI's form) through
-        the model's chat template, and the turn the prefix cache may keep (plain chats
-        only); the template and the tokenizer run on a worker thread (inside
-        ``preparing``). ApiError 400 when the model has no tokenizer, cannot call tools
-        (``param`` names the field), its template refuses the messages, or their text
-        cannot fit the context; 413 when tokenizing it would take more than a request's
-        memory."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ApiError(400, "this model has no tokenizer; use /v1/completions with ids")
-        if tools:
-            check_tool_support(tok, param)
-        plain = not tools and all(
-            m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
-        )
-        said = cast(list[dict[str, str]], messages)
-        repeated = self.cache.repeated_reply(said) if plain else None  # (event loop only)
-
-        def render() -> tuple[list[int], bool]:
-            if repeated is not None:  # a reply of ours sent back verbatim: continue its ids
-                new = sum(len(m["content"]) for m in said[repeated[1] :])
-                self.memory.check_tokenize(4 * new)  # (4: UTF-8 bytes per character at most)
-                follow = reply_prompt(tok, said, *repeated)
-                if follow is not None:
-                    return follow, True
-            extra = {"tools": tools} if tools else {}
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **extra
-            )
-            self._check_text(text if isinstance(text, str) else "", "messages")
-            ids = tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **extra
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids), False
-
-        try:
-            ids, continued = await off_loop(render)
-        except ApiError:
-            raise
-        except TemplateError as e:  # the model's template refuses them (e.g. role order)
-            raise ApiError(
-                400,
-                f"Invalid 'messages': the model's chat template refused them: {_line(e)}",
-                param="messages",
-                code="invalid_value",
-            ) from None
-        except Exception as e:  # the template is the vault's code: it failed on these
-            raise ApiError(
-                400,
-                f"Invalid 'messages': the model's chat template failed on them "
-                f"({type(e).__name__}: {_line(e)})",
-                param="messages",
-                code="invalid_value",
-            ) from None
-        return ids, _Turn(said, continued=continued) if plain else None
-
-    def _check_text(self, text: str, param: str) -> None:
-        """400 when ``text`` has more bytes than the context can hold in tokens, 413 when
-        tokenizing it would take more than a request's memory (worker thread)."""
-        n = len(text.encode("utf-8", "surrogatepass"))
-        if self.text_limit is not None and n > self.text_limit:
-            raise ApiError(
-                400,
-                f"the prompt's {n} bytes of text cannot fit the context of "
-                f"{self.engine.max_context} tokens; shorten the prompt",
-                param=param,
-                code="context_length_exceeded",
-            )
-        self.memory.check_tokenize(n)
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        async with self.preparing(request) as body:
+        async with self.intake.preparing(request) as body:
             fields = await off_loop(validate_request, body, "completions", self.limits)
             prompt = fields["prompt"]
-            ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = await self.intake.encode(prompt) if isinstance(prompt, str) else prompt
         return await self.answer(request, fields, ids, openai_api.OpenAIFormat, chat=False)
-
-    async def encode(self, text: str) -> list[int]:
-        """``text``'s ids as the tokenizer gives them, on a worker thread (inside
-        ``preparing``); ApiError 400 if there is none or the text cannot fit the context, 413 as
-        ``template``."""
-
-        def encode() -> list[int]:
-            self._check_text(text, "prompt")
-            return self.engine.encode(text)
-
-        try:
-            return await off_loop(encode)
-        except SmoeError as e:  # no tokenizer: the client must send token ids
-            raise ApiError(400, str(e), param="prompt") from None
 
     async def answer(
         self,
@@ -578,7 +448,7 @@ class Server:
         ids: list[int],
         format_: type[Format],
         chat: bool,
-        turn: _Turn | None = None,
+        turn: Turn | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> web.StreamResponse:
         """Generate for ``ids`` with the settings of validated ``fields`` and answer in
@@ -604,7 +474,7 @@ class Server:
         ids: list[int],
         opts: RequestOptions,
         fmt: Format,
-        turn: _Turn | None = None,
+        turn: Turn | None = None,
     ) -> web.StreamResponse:
         """Generate for one request and answer it in ``fmt``. Its sequence goes back to
         the prefix cache whatever happens."""
@@ -707,7 +577,7 @@ class Server:
 
     def _reply(
         self,
-        turn: _Turn,
+        turn: Turn,
         ids: list[int],
         seq: SequenceHandle,
         generated: list[int],

@@ -154,26 +154,26 @@ def routes(server: Server) -> list[web.RouteDef]:
     name = server.options.model_name
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        async with server.preparing(request) as body:
+        async with server.intake.preparing(request) as body:
             f = await off_loop(validate_fields, body, CHAT, server.limits)
             fields = _engine_fields(f, server.limits)
-            ids, turn = await server.template(f["messages"], f["tools"])
+            ids, turn = await server.intake.template(f["messages"], f["tools"])
         return await server.answer(
             request, fields, ids, OllamaChat, chat=True, turn=turn, tools=f["tools"]
         )
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        async with server.preparing(request) as body:
+        async with server.intake.preparing(request) as body:
             f = await off_loop(validate_fields, body, GENERATE, server.limits)
             fields = _engine_fields(f, server.limits)
             if not f["prompt"]:  # Ollama's way to load a model: answered at once
                 return web.json_response({**_head(name), "response": "", **_done("load")})
             if f["raw"]:
-                ids = await server.encode(f["prompt"])
+                ids = await server.intake.encode(f["prompt"])
             else:
                 system = [{"role": "system", "content": f["system"]}] if f["system"] else []
                 user = {"role": "user", "content": f["prompt"]}
-                ids, _ = await server.template([*system, user], [])
+                ids, _ = await server.intake.template([*system, user], [])
         return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
 
     async def tags(request: web.Request) -> web.Response:

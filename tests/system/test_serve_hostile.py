@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 import smoe.serve.app as app_module
+import smoe.serve.prompt as prompt_module
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions
 from smoe.serve.guard import Guard
@@ -209,13 +210,13 @@ async def test_health_answers_while_a_large_request_is_prepared(vault):
 
 async def test_a_full_queue_is_429_before_the_body_is_parsed(vault, monkeypatch):
     parsed = []
-    real = app_module.parse_body
+    real = prompt_module.parse_body
 
     def counting(raw):
         parsed.append(len(raw))
         return real(raw)
 
-    monkeypatch.setattr(app_module, "parse_body", counting)
+    monkeypatch.setattr(prompt_module, "parse_body", counting)
     options = ServerOptions(max_queue=1)
     async with (
         Engine.open(vault.path, max_batch=1) as engine,
@@ -273,15 +274,15 @@ async def test_stalled_large_bodies_hold_half_the_request_memory_and_others_are_
                 await loop.run_in_executor(None, stall, srv.port, 60_000, 59_999) for _ in range(40)
             ]
             async with asyncio.timeout(20):
-                while server.memory.refused < 30:  # noqa: ASYNC110 (the server's state)
+                while server.intake.memory.refused < 30:  # noqa: ASYNC110 (the server's state)
                     await asyncio.sleep(0.01)
-            assert server.memory.receiving.held <= server.memory.receiving.capacity
+            assert server.intake.memory.receiving.held <= server.intake.memory.receiving.capacity
             async with http.post(srv.base + CHAT, json=body) as r:
                 assert r.status == 200
                 assert (await r.json())["choices"][0]["message"]["content"] == alone
             for s in big + small:
                 s.close()
             async with asyncio.timeout(20):
-                while server.memory.receiving.held:  # noqa: ASYNC110 (given back as they go)
+                while server.intake.memory.receiving.held:  # noqa: ASYNC110 (given back as they go)
                     await asyncio.sleep(0.01)
     assert json.dumps(server_box[0].counts.by_status)  # (counted, whatever their end)

@@ -247,7 +247,7 @@ async def test_a_reply_the_model_ended_is_continued_without_its_end(vault, monke
 async def test_what_is_kept_of_a_reply(vault):
     """``Server._reply``: the ids of the text the client got, the end-of-turn id when the
     model ended the turn; nothing where the stream does not hold those ids."""
-    from smoe.serve.app import _Turn
+    from smoe.serve.prompt import Turn as _Turn
 
     async with Engine.open(vault.path) as engine:
         tok = engine.tokenizer
