@@ -189,6 +189,7 @@ async def _chat(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
 
     start = time.perf_counter()
+    _check_sampling_flags(args)  # before a download or the demo's first-run conversion
     vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
@@ -288,6 +289,18 @@ async def _serve(args: argparse.Namespace) -> int:
         raise SmoeError("--idle-timeout must be above 0 and --max-connections at least 1")
     if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 0:
         raise SmoeError("--max-batch must be at least 1 and --max-queue at least 0")
+    prefix_dir = args.prefix_cache_dir
+    if prefix_dir is not None and await aiofiles.os.path.isfile(prefix_dir):
+        raise SmoeError(f"--prefix-cache-dir {prefix_dir} is a file; name a directory")
+    cached_bytes = _size_flag("--prefix-cache", args.prefix_cache)
+    prefix_dir_bytes = _size_flag("--prefix-cache-disk", args.prefix_cache_disk)
+    request_memory = _size_flag("--request-memory", args.request_memory)
+    if request_memory < MIN_REQUEST_MEMORY:
+        raise SmoeError(
+            f"--request-memory must be at least {MIN_REQUEST_MEMORY // 2**20}MiB (a large "
+            "body arriving and one request's preparation)"
+        )
+    _check_sampling_flags(args)  # before a download or the demo's first-run conversion
     vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
     if vault is None:  # as `smoe chat`: the built-in demo
         from smoe.chat.demo import demo_vault
@@ -299,15 +312,6 @@ async def _serve(args: argparse.Namespace) -> int:
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     _check_sampling(temperature, top_p, args.max_tokens)  # before loading
-    prefix_dir = args.prefix_cache_dir
-    if prefix_dir is not None and await aiofiles.os.path.isfile(prefix_dir):
-        raise SmoeError(f"--prefix-cache-dir {prefix_dir} is a file; name a directory")
-    request_memory = _size_flag("--request-memory", args.request_memory)
-    if request_memory < MIN_REQUEST_MEMORY:
-        raise SmoeError(
-            f"--request-memory must be at least {MIN_REQUEST_MEMORY // 2**20}MiB (a large "
-            "body arriving and one request's preparation)"
-        )
     options = ServerOptions(
         api_key=api_key,
         guard=guard,
@@ -319,9 +323,9 @@ async def _serve(args: argparse.Namespace) -> int:
         top_p=top_p,
         max_tokens=args.max_tokens if args.max_tokens is not None else 256,
         prewarm_when_idle=args.prewarm,
-        cached_bytes=_size_flag("--prefix-cache", args.prefix_cache),
+        cached_bytes=cached_bytes,
         prefix_dir=None if prefix_dir is None else Path(prefix_dir),
-        prefix_dir_bytes=_size_flag("--prefix-cache-disk", args.prefix_cache_disk),
+        prefix_dir_bytes=prefix_dir_bytes,
         request_memory=request_memory,
     )
     reserve = serve_reserve(args.max_connections, request_memory)
@@ -351,6 +355,13 @@ def _size_flag(flag: str, text: str) -> int:
         return parse_size(text)
     except SmoeError as e:
         raise SmoeError(f"{flag}: {e}") from None
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """``_check_sampling`` of the flags given, each alone (the model's suggestions fill the
+    others once it is found)."""
+    temperature = 0.0 if args.temp is None else args.temp
+    _check_sampling(temperature, 1.0 if args.top_p is None else args.top_p, args.max_tokens)
 
 
 def _check_sampling(temperature: float, top_p: float, max_tokens: int | None) -> None:

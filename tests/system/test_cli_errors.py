@@ -207,6 +207,8 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
         (["serve", "--idle-timeout", "0"], "--idle-timeout must be above 0"),
         (["serve", "--max-connections", "0"], "--max-connections at least 1"),
         (["serve", "--prefix-cache-dir", "/etc/hostname"], "is a file; name a directory"),
+        (["serve", "--request-memory", "1MB"], "--request-memory must be at least"),
+        (["serve", "--request-memory", "lots"], "--request-memory"),
         (["serve", "--prefix-cache-disk", "lots"], "--prefix-cache-disk"),
     ],
 )
