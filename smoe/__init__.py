@@ -7,6 +7,11 @@ everything else stays resident. See README.md and docs/.
 from typing import Any
 
 from smoe.errors import CheckpointError, SmoeError, UnsupportedModelError, VaultError
+from smoe.util import fdlimit
+
+# Before anything imports mlx-lm: its import sets the open-file limit, which fails under a
+# hard limit below 4096 (smoe/util/fdlimit.py).
+fdlimit.install()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -4,6 +4,8 @@ The CLI prints these without a traceback and exits non-zero; anything else that
 escapes is a bug in S-MoE and keeps its traceback.
 """
 
+import errno as _errno
+
 
 class SmoeError(Exception):
     """A mistake or condition the user can fix; the message says how."""
@@ -26,6 +28,45 @@ class CheckpointError(SmoeError):
 
 class VaultError(SmoeError):
     """A vault is missing, incomplete, corrupt, or of another format version."""
+
+
+# What to do about an OS error while writing an output, by errno.
+_WRITE_FIXES = {
+    _errno.ENOSPC: "the disk filled up: free some space or choose another path",
+    _errno.EDQUOT: "the disk quota is used up: free some space or choose another path",
+    _errno.EIO: "check the disk (dmesg), then try again or choose another path",
+    _errno.EROFS: "that file system is read-only: choose another path",
+    _errno.EACCES: "choose a path you may write to",
+    _errno.EPERM: "choose a path you may write to",
+}
+
+
+class WriteError(SmoeError):
+    """Writing an output (a vault, a shard, an mlx-lm export) failed with an OS error: a
+    full disk, an I/O error, a target that cannot be made (a file where a folder must be,
+    a read-only or virtual file system). The one line names the output, the path the
+    system named, the error (its text and errno name) and the fix. The writer has removed
+    its partial output by then; an earlier output at the target is as it was.
+
+    ``target`` is the output's path, ``path`` the failing one (the target's where the
+    failure was inside the temporary folder that stood for it), ``errno`` the cause's.
+    """
+
+    def __init__(self, what: str, target: object, cause: OSError, tmp: object = None) -> None:
+        path = str(cause.filename) if cause.filename is not None else str(target)
+        if tmp is not None and path.startswith(str(tmp)):  # name what the user asked for
+            path = str(target) + path[len(str(tmp)) :]
+        name = _errno.errorcode.get(cause.errno or 0, "no errno")
+        text = cause.strerror or str(cause)
+        fix = _WRITE_FIXES.get(cause.errno or 0, "choose another path")
+        where = "" if path == str(target) else f" at {path}"
+        super().__init__(
+            " ".join(f"writing {what} {target} failed{where}: {text} ({name}); {fix}".split())
+        )
+        self.__cause__ = cause
+        self.target = target
+        self.path = path
+        self.errno: int | None = cause.errno
 
 
 class VaultReadError(VaultError):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -202,4 +204,27 @@ class ComputeThread:
 
     async def close(self) -> None:
         # Wait in another thread: a running job may still need the loop for its slots.
-        await anyio.to_thread.run_sync(self._pool.shutdown, True)
+        await anyio.to_thread.run_sync(self._shutdown)
+
+    def _shutdown(self) -> None:
+        try:
+            tid = self._pool.submit(threading.get_native_id)  # after the queued jobs
+        except RuntimeError:  # closed already
+            return
+        self._pool.shutdown(True)
+        _wait_gone(tid.result())
+
+
+def _wait_gone(tid: int, timeout: float = 5.0) -> None:
+    """Until the OS thread ``tid`` has exited (Linux; elsewhere nothing is waited for).
+
+    A pool's shutdown (Thread.join) returns once Python is done with its thread, before
+    the thread's C++ thread_local destructors run. MLX's take the GIL: one still running
+    when the interpreter finalizes is ended by it inside a noexcept destructor, which is
+    std::terminate ("terminate called without an active exception", exit 134). An engine
+    that failed to open (a bad tokenizer file) and exited at once met that one run in two.
+    """
+    task = f"/proc/self/task/{tid}"
+    end = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < end:
+        time.sleep(0.001)

@@ -26,12 +26,21 @@ from smoe.models.topology import (
     model_classes,
     normalize_config,
 )
+from smoe.util.files import NotRegularFile, open_regular
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """Parse a safetensors header and check that the file holds every byte it declares."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path)  # a FIFO would block the read forever
+    except NotRegularFile as e:
+        raise CheckpointError(
+            f"{path} is {e.kind}, not a regular file; download it again"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror}); check the file") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path} is truncated (empty or cut short); download it again")
@@ -63,8 +72,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            with open_regular(index_path) as f:  # a FIFO would block the read forever
+                weight_map = json.loads(f.read())["weight_map"]
+        except NotRegularFile as e:
+            raise CheckpointError(
+                f"{index_path} is {e.kind}, not a file; download it again"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             raise CheckpointError(f"{index_path} is corrupt; download it again") from None
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (model_dir / n).exists()]

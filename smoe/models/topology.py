@@ -20,6 +20,7 @@ from typing import Any
 
 from smoe.errors import CheckpointError, UnsupportedModelError
 from smoe.models.registry import architecture
+from smoe.util.files import NotRegularFile, open_regular
 
 # Each group lists spellings of one quantity; the first that is present fills the others.
 _ALIASES: tuple[tuple[str, ...], ...] = (
@@ -37,11 +38,13 @@ TOP_K_KEYS = _ALIASES[1]
 def read_json(path: Path) -> dict[str, Any]:
     """Read a JSON object, with an error that names the file when it is unreadable."""
     try:
-        with open(path) as f:
+        with open_regular(path) as f:  # a FIFO would block the read forever
             data = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except NotRegularFile as e:
+        raise CheckpointError(f"{path} is {e.kind}, not a regular file; restore the file") from None
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore the file") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")

@@ -14,11 +14,20 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
-from smoe.errors import SmoeError
+from smoe.errors import SmoeError, VaultError, WriteError
 from smoe.parallel.assignment import ExpertAssignment
 from smoe.sched.popularity import Popularity
-from smoe.util.files import fsync_path, remove_tree, replace_dir, temp_path, write_json_atomic
+from smoe.util.files import (
+    fsync_path,
+    make_temp_dir,
+    remove_tree,
+    replace_dir,
+    temp_path,
+    tidy_target,
+    write_json_atomic,
+)
 from smoe.vault.format import Vault
 from smoe.vault.names import EXPERTS_FILE, MANIFEST, STATS_DIR
 from smoe.vault.shard import MAX_RANKS, Shard
@@ -36,7 +45,8 @@ def cut_shard(
 ) -> Vault:
     """Write rank ``rank`` of ``ranks``'s shard of the vault ``src`` at ``dst`` and return
     it opened. SmoeError for a bad rank, a shard as source, or an existing ``dst`` without
-    ``force``; VaultError for a damaged source."""
+    ``force``; VaultError for a damaged source; WriteError for an OS error writing (path
+    and errno named). What killed runs left beside ``dst`` is removed first."""
     vault = Vault.open(src)
     m = vault.manifest
     if m.shard is not None:
@@ -46,6 +56,8 @@ def cut_shard(
             f"give --ranks 1..{MAX_RANKS} and --rank 0..ranks-1 (got {rank} of {ranks})"
         )
     dst = Path(dst)
+    # What killed runs left beside it (each as large as the shard) goes first.
+    tidy_target(dst, lambda p: (p / MANIFEST).is_file(), "shard")
     if dst.exists() and not force:
         raise SmoeError(f"{dst} exists; pass --force to replace it")
     layers = [spec.layer for spec in m.layers]
@@ -61,15 +73,17 @@ def cut_shard(
     manifest = dataclasses.replace(
         m, shard=shard, checksums=[m.checksums[m.record_index(*k)] for k in shard.keys]
     )
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(dst, "converting")
-    remove_tree(tmp)  # a dead run's that had our PID
-    tmp.mkdir()
+    try:
+        tmp = make_temp_dir(dst, "converting")
+    except OSError as e:  # a file where a folder must be, a read-only or virtual file system
+        raise WriteError("the shard", dst, e, temp_path(dst, "converting")) from e
     try:
         for item in sorted(vault.path.iterdir()):
             if item.name in (EXPERTS_FILE, MANIFEST, STATS_DIR) or item.name.startswith("."):
                 continue
-            if item.is_file():
+            # Regular files of the vault only: not a link out of it, which would copy
+            # whatever it points to (~/.ssh/...) into the shard, nor a FIFO.
+            if item.is_file() and item.resolve().is_relative_to(vault.path.resolve()):
                 shutil.copyfile(item, tmp / item.name)
                 fsync_path(tmp / item.name)
         (tmp / STATS_DIR).mkdir()
@@ -77,6 +91,9 @@ def cut_shard(
         write_json_atomic(tmp / MANIFEST, manifest.to_json())  # last: now it is a vault
         fsync_path(tmp)
         replace_dir(tmp, dst)
+    except OSError as e:  # a full disk, an I/O error: one line naming the path and errno
+        remove_tree(tmp)
+        raise WriteError("the shard", dst, e, tmp) from e
     except BaseException:
         remove_tree(tmp)
         raise
@@ -96,7 +113,7 @@ def _copy_records(
             f.seek(r * stride)
             left = stride
             while left:
-                data = f.read(min(left, CHUNK))
+                data = _read(f, vault, min(left, CHUNK))
                 if not data:
                     raise SmoeError(f"{vault.experts_path} ends inside record {r}; convert again")
                 w.write(data)
@@ -105,3 +122,15 @@ def _copy_records(
                 progress(done, len(records))
         w.flush()
         os.fsync(w.fileno())
+
+
+def _read(f: BinaryIO, vault: Vault, size: int) -> bytes:
+    """Up to ``size`` bytes of the source's experts.bin; its read errors named as such (a
+    write error is the shard's: WriteError)."""
+    try:
+        return f.read(size)
+    except OSError as e:
+        raise VaultError(
+            f"{vault.experts_path} is unreadable ({e.strerror}); check the disk, or convert "
+            "the model again"
+        ) from None

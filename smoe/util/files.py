@@ -8,14 +8,15 @@ Temporary names (one scheme, so that a later start can tell what a dead process 
 
     .NAME.KIND-PID[.EXT]    beside the target NAME, written by process PID
       KIND  tmp         a file (or a synth checkpoint) being written
-            converting  a vault being built by `smoe convert`
+            converting  a vault being built by `smoe convert`, or a shard by `smoe shard`
             exporting   an mlx-lm folder being built by `smoe export`
             old         a directory moved aside while its replacement goes in (only where
                         the atomic exchange is unavailable)
       .EXT  kept last by writers whose library insists on the extension (.npz, .safetensors)
 
 ``sweep_stale`` removes those whose PID no longer runs; ``recover_dir`` completes or undoes a
-directory swap that a kill interrupted. PIDs are those of this host: a file system shared
+directory swap that a kill interrupted (``tidy_target`` runs both before a folder is written).
+``open_regular`` opens a file to read only if it is one (not a FIFO, which would block). PIDs are those of this host: a file system shared
 by several hosts (or PID namespaces) may see another host's live writer as dead.
 """
 
@@ -30,11 +31,14 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
+
+from smoe.errors import SmoeError
 
 KINDS = ("tmp", "converting", "exporting", "old")
 _TEMP_RE = re.compile(
@@ -61,8 +65,54 @@ def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # fsync names no file: the message should (EIO on what?)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
+
+
+class NotRegularFile(OSError):
+    """A path that should be a file is a FIFO, a device, a socket or a directory."""
+
+    def __init__(self, path: Path | str, mode: int) -> None:
+        self.kind = file_kind(mode)
+        super().__init__(errno.EINVAL, f"is {self.kind}, not a regular file", str(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename} {self.strerror}"
+
+
+def file_kind(mode: int) -> str:
+    """What ``mode`` (a stat's st_mode) says the entry is, for a message: "a FIFO", ..."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """``path`` opened for reading (binary, buffered) if it is a regular file (a link to one
+    is followed). Anything else is refused before a byte is read: a FIFO blocks open() and
+    read() until a writer comes, maybe never, and a device may never end. The open cannot
+    block (O_NONBLOCK, cleared once the file is known to be regular). Raises
+    NotRegularFile, or OSError as open() does (FileNotFoundError, PermissionError, ...)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def temp_path(target: Path, kind: str = "tmp", keep_suffix: bool = False) -> Path:
@@ -175,6 +225,35 @@ def recover_dir(dst: Path, complete: Callable[[Path], bool] | None = None) -> bo
     os.rename(src, dst)
     fsync_path(dst.parent)
     return True
+
+
+def tidy_target(dst: Path, complete: Callable[[Path], bool], what: str) -> None:
+    """Before writing the folder ``dst`` (a vault, a shard, an export), repair and remove
+    what killed runs left beside it: a --force swap interrupted between its two renames is
+    finished or undone (``recover_dir``, ``complete`` telling a finished new tree), then
+    their `.NAME.KIND-PID` trees are deleted (``sweep_stale``), which would otherwise
+    stay, each as large as the output. SmoeError if the old ``what`` cannot be put back."""
+    try:
+        recover_dir(dst, complete=complete)
+    except OSError as e:
+        raise SmoeError(
+            f"{dst} is missing and the {what} a killed run moved aside beside it cannot be "
+            f"put back ({e}); rename the .{dst.name}.old-* directory to {dst.name}"
+        ) from None
+    sweep_stale(dst.parent, targets=[dst.name])
+
+
+def make_temp_dir(dst: Path, kind: str) -> Path:
+    """This process's empty temporary folder for ``dst`` (`.NAME.KIND-PID`), its parent
+    made first. Raises OSError (NotADirectoryError where a file stands for the parent)."""
+    parent = dst.parent
+    if parent.exists() and not parent.is_dir():  # mkdir would say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(dst, kind)
+    remove_tree(tmp)  # a dead run's that had our PID
+    tmp.mkdir()
+    return tmp
 
 
 @functools.cache

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from smoe.errors import VaultError
+from smoe.util.files import NotRegularFile, open_regular
 
 CONVERT_AGAIN = "convert the model again"  # the fix for a vault damaged or made wrongly
 INT64_MAX = 2**63 - 1  # file offsets and sizes (off_t)
@@ -108,17 +109,18 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def read_limited(path: Path, limit: int) -> bytes:
-    """The bytes of a small vault file, or a VaultError when it is unreadable or too big."""
+def read_limited(path: Path, limit: int, fix: str = CONVERT_AGAIN) -> bytes:
+    """The bytes of a small vault file, or a VaultError when it is unreadable, too big, or
+    not a regular file (a FIFO there would block the read forever)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(limit + 1)
+    except NotRegularFile as e:
+        raise VaultError(f"{path} is {e.kind}, not a regular file; {fix}") from None
     except OSError as e:
-        raise VaultError(f"{path} is unreadable ({e.strerror}); {CONVERT_AGAIN}") from None
+        raise VaultError(f"{path} is unreadable ({e.strerror}); {fix}") from None
     if len(data) > limit:
-        raise VaultError(
-            f"{path} is larger than {limit} bytes, too large to be ours; {CONVERT_AGAIN}"
-        )
+        raise VaultError(f"{path} is larger than {limit} bytes, too large to be ours; {fix}")
     return data
 
 

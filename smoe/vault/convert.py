@@ -10,7 +10,6 @@ Which source tensor goes where, and how each is encoded, is decided by smoe.vaul
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -22,15 +21,15 @@ import mlx.core as mx
 import numpy as np
 
 import smoe
-from smoe.errors import SmoeError
+from smoe.errors import SmoeError, WriteError
 from smoe.models.checkpoint import SourceCheckpoint, free_bytes, open_checkpoint
 from smoe.util.files import (
     fsync_path,
-    recover_dir,
+    make_temp_dir,
     remove_tree,
     replace_dir,
-    sweep_stale,
     temp_path,
+    tidy_target,
     write_json_atomic,
 )
 from smoe.util.sizes import format_bytes
@@ -50,7 +49,8 @@ DEFAULT_GROUP = 64
 
 # Files copied from the source as they are: tokenizer, chat template, generation config.
 _COPY_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken", ".jsonl")
-_NEVER_COPY = {"config.json", "model.safetensors.index.json"}
+# (A source's manifest.json would be overwritten by the vault's, and its checksum fail.)
+_NEVER_COPY = {"config.json", "model.safetensors.index.json", MANIFEST}
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -180,14 +180,7 @@ def _check_target(dst: Path, force: bool) -> None:
     """Raise SmoeError unless ``dst`` may become a vault. First repairs what killed runs left
     beside it: a --force swap interrupted between its two renames is finished (or undone),
     and their `.NAME.converting-PID` / `.NAME.old-PID` trees are deleted."""
-    try:
-        recover_dir(dst, complete=lambda p: (p / MANIFEST).is_file())
-    except OSError as e:
-        raise SmoeError(
-            f"{dst} is missing and the vault a killed conversion moved aside beside it cannot "
-            f"be put back ({e}); rename the .{dst.name}.old-* directory to {dst.name}"
-        ) from None
-    sweep_stale(dst.parent, targets=[dst.name])
+    tidy_target(dst, lambda p: (p / MANIFEST).is_file(), "vault")
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -261,10 +254,10 @@ def convert(
     layout = _layout_of(first)
     _check_free_space(plan, layout, dst.parent)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(dst, "converting")
-    remove_tree(tmp)  # a dead run's that had our PID
-    tmp.mkdir()
+    try:
+        tmp = make_temp_dir(dst, "converting")
+    except OSError as e:  # a file where a folder must be, a read-only or virtual file system
+        raise WriteError("the vault", dst, e, temp_path(dst, "converting")) from e
     try:
         checksums = _write_experts(tmp / EXPERTS_FILE, plan, first, layout, progress)
         backbone = _write_backbone(tmp / BACKBONE_FILE, plan, progress)
@@ -278,14 +271,9 @@ def convert(
         fsync_path(tmp)
         _check_target(dst, opts.force)  # a vault that appeared meanwhile still needs --force
         replace_dir(tmp, dst)
-    except OSError as e:
+    except OSError as e:  # a full disk, an I/O error: one line naming the path and errno
         remove_tree(tmp)
-        if e.errno == errno.ENOSPC:
-            raise SmoeError(
-                f"the disk holding {dst.parent} filled up while writing the vault; "
-                "free some space or choose another path (nothing was left behind)"
-            ) from None
-        raise
+        raise WriteError("the vault", dst, e, tmp) from e
     except BaseException:
         remove_tree(tmp)
         raise

@@ -311,27 +311,45 @@ class Vault:
                 pass  # a read-only vault is hashed on every open
         return True
 
+    def side_files(self) -> list[str]:
+        """The files copied from the source (tokenizer, templates, generation config): the
+        manifest's "source.copied", plain names (validated when it was read)."""
+        return list(self.manifest.source.get("copied") or [])
+
+    def read_side_file(self, name: str) -> bytes:
+        """The bytes of the side file ``name``, checked: a regular file inside the vault
+        (a link out of it, or a FIFO, which would block the read, is refused), at most
+        MAX_SIDE_FILE_BYTES, equal to its checksum where the manifest records one. Raises
+        VaultError naming the file and the fix."""
+        path = self.path / name
+        fix = f"put it back from the source, or {CONVERT_AGAIN}"
+        try:
+            inside = path.resolve(strict=True).is_relative_to(self.path.resolve(strict=True))
+        except FileNotFoundError:
+            raise VaultError(
+                f"{path} is missing from the vault (its tokenizer or template files); {fix}"
+            ) from None
+        except (OSError, RuntimeError) as e:  # a link loop, an unreadable directory
+            raise VaultError(f"{path} cannot be resolved ({e}); {fix}") from None
+        if not inside:
+            raise VaultError(f"{path} is a link to a file outside the vault; {fix}")
+        data = read_limited(path, MAX_SIDE_FILE_BYTES, fix)
+        entry = (self.manifest.source.get("checksums") or {}).get(name)
+        if entry is not None and digest(entry["algorithm"], data) != entry["value"]:
+            raise VaultError(
+                f"{path} does not match its checksum in the manifest: it was changed "
+                f"or damaged after conversion; {fix}"
+            )
+        return data
+
     def verify_side_files(self) -> list[str]:
-        """Check the files copied from the source (tokenizer, templates) against the
-        checksums the manifest records for them (vaults made since it does); return the
-        names checked. Raises VaultError naming the file and the fix when one is missing,
-        unreadable, too large or changed. Cheap: they are small."""
-        sums = self.manifest.source.get("checksums", {})
-        for name, entry in sums.items():
-            path = self.path / name
-            if not path.exists():
-                raise VaultError(
-                    f"{path} is missing from the vault (its tokenizer or template files); "
-                    f"put it back from the source, or {CONVERT_AGAIN}"
-                )
-            data = read_limited(path, MAX_SIDE_FILE_BYTES)
-            if digest(entry["algorithm"], data) != entry["value"]:
-                raise VaultError(
-                    f"{path} does not match its checksum in the manifest: it was changed "
-                    f"or damaged after conversion; put it back from the source, or "
-                    f"{CONVERT_AGAIN}"
-                )
-        return list(sums)
+        """Check every file copied from the source (``read_side_file``); return the names
+        checked against a checksum (all of them in vaults made since it is recorded; none
+        in older ones, whose files are still checked to be regular files inside the vault).
+        Raises VaultError naming the first bad one. Cheap: they are small."""
+        for name in self.side_files():
+            self.read_side_file(name)
+        return list(self.manifest.source.get("checksums") or {})
 
     def backbone_remembered(self) -> bool:
         """Whether backbone.safetensors last hashed good and its size, times and inode are

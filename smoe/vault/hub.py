@@ -3,7 +3,9 @@ cache, as mlx-lm, llama.cpp and ollama take a Hub name.
 
 Offline first: the name resolves only to a snapshot already downloaded (the hub library's
 cache, ``HF_HUB_CACHE`` or ``HF_HOME``), unless ``download`` asks for it, when
-``huggingface_hub`` fetches it. A path that exists is always the path.
+``huggingface_hub`` fetches it. A path that exists is always the path. The cache is
+untrusted like any file: its ref must name a commit and its snapshot lie in the
+repository's snapshots folder.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import re
 from pathlib import Path
 
 from smoe.errors import SmoeError
+from smoe.util.files import NotRegularFile, open_regular
+from smoe.vault.checks import show
 
 # org/name: what the Hub accepts (letters, digits, '-', '_', '.'), one slash, no '..'
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_COMMIT = re.compile(rb"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 
 
 def looks_like_repo_id(text: str) -> bool:
@@ -33,8 +38,10 @@ def resolve_model(arg: Path | str, download: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    repo = Path(constants.HF_HUB_CACHE) / ("models--" + text.replace("/", "--"))
+    _check_ref(repo, text, commit=not download)  # a download writes a new one
     try:
-        return Path(snapshot_download(text, local_files_only=not download))
+        snapshot = Path(snapshot_download(text, local_files_only=not download))
     except LocalEntryNotFoundError:
         raise SmoeError(
             f"{text} is not a folder here, nor downloaded in the Hugging Face cache "
@@ -45,3 +52,40 @@ def resolve_model(arg: Path | str, download: bool = False) -> Path:
         raise SmoeError(f"{text} is not a folder here, nor a Hub name: {e}") from None
     except OSError as e:  # a download that failed: the network, the disk, a 404
         raise SmoeError(f"could not download {text} from the Hugging Face Hub: {e}") from None
+    # The cache is a folder anyone sharing it can write: its snapshot must be one of the
+    # repository's, not wherever a crafted ref or a link points.
+    try:
+        inside = snapshot.resolve(strict=True).parent == (repo / "snapshots").resolve(strict=True)
+    except (OSError, RuntimeError):
+        inside = False
+    if not inside:
+        raise SmoeError(
+            f"{text}'s snapshot in the Hugging Face cache, {snapshot}, lies outside "
+            f"{repo / 'snapshots'}: the cache is damaged or was tampered with; remove {repo} "
+            f"and download {text} again"
+        )
+    return snapshot
+
+
+def _check_ref(repo: Path, text: str, commit: bool) -> None:
+    """The cache's refs/main is a regular file (huggingface_hub would block forever on a
+    FIFO there) and, with ``commit``, names a commit: 40 (SHA-1) or 64 (SHA-256) hex
+    digits (the hub library joins what it holds, "../../x" too, to the snapshots folder).
+    SmoeError naming the file and the fix otherwise; nothing if there is none (the hub
+    library then says the name is not downloaded)."""
+    ref = repo / "refs" / "main"
+    fix = (
+        f"the Hugging Face cache is damaged or was tampered with; remove {repo} and download "
+        f"{text} again"
+    )
+    try:
+        with open_regular(ref) as f:
+            held = f.read(65)
+    except FileNotFoundError:
+        return
+    except NotRegularFile as e:
+        raise SmoeError(f"{ref} is {e.kind}, not a regular file; {fix}") from None
+    except OSError as e:
+        raise SmoeError(f"{ref} is unreadable ({e.strerror}); {fix}") from None
+    if commit and not _COMMIT.fullmatch(held):
+        raise SmoeError(f"{ref} holds {show(held.decode(errors='replace'))}, not a commit; {fix}")

@@ -51,9 +51,14 @@ def render(info: dict[str, Any]) -> str:
     t, q, r = info["topology"], info["quantization"], info["record"]
 
     def quant(x: dict[str, Any] | None) -> str:
+        # What the manifest's validation lets through, and the engine runs, is printed:
+        # an entry absent (older vaults) or summarising per-projection packings.
         if not x:
             return "float (unquantized)"
-        how = f"{x.get('mode', 'affine')} {x['bits']}-bit, group {x['group_size']}"
+        if x.get("bits") is None and isinstance(x.get("projections"), dict):
+            how = "per projection"
+        else:
+            how = f"{x.get('mode', 'affine')} {x.get('bits', '?')}-bit, group {x.get('group_size', '?')}"
         return how + (" (copied from the MLX source)" if x.get("copied_from_source") else "")
 
     lines = [
@@ -63,7 +68,7 @@ def render(info: dict[str, Any]) -> str:
         f"experts    {t['num_experts']} per MoE layer, top-{t['experts_per_token']}, "
         f"{t['expert_kind']} hidden {t['expert_hidden_size']}, "
         f"{len(t['moe_layers'])} MoE layers, shared experts {t['shared_experts']}",
-        f"quantized  experts: {quant(q['experts'])}; backbone: {quant(q['backbone'])}",
+        f"quantized  experts: {quant(q.get('experts'))}; backbone: {quant(q.get('backbone'))}",
         # The slot a unified ring gives a record: its stride, as plan and the run commands say.
         f"records    {r['count']} x {format_bytes(r['stride'])} slots "
         f"({r['size']} bytes of data each, then padding for direct reads)",
@@ -78,7 +83,6 @@ def render(info: dict[str, Any]) -> str:
             f"streams    {st['reads_per_expert']:g} reads per expert from {st['shards']} "
             f"shard(s); 'smoe convert' makes one read per expert, checksummed"
         )
-    return "\n".join(lines)
     return "\n".join(lines)
 
 
@@ -175,18 +179,19 @@ def verify_files(vault: Vault) -> list[FileCheck]:
         checks.append(
             FileCheck(CONFIG_FILE, "ok", "matches its checksum") if has else _unchecked(CONFIG_FILE)
         )
-    copied = vault.manifest.source.get("copied", [])
-    sums = vault.manifest.source.get("checksums")
-    for name in copied if isinstance(copied, list) else []:
-        if sums is None:
-            checks.append(_unchecked(str(name)))
-    if sums:
+    # Each file copied from the source, one line each: a regular file inside the vault
+    # (Vault.read_side_file refuses a link out of it or a FIFO), matching its checksum
+    # where the vault records one (the manifest's validation requires one for each then).
+    sums = vault.manifest.source.get("checksums") or {}
+    for name in vault.side_files():
         try:
-            names = vault.verify_side_files()
+            vault.read_side_file(name)
         except VaultError as e:
-            checks.append(FileCheck("tokenizer and template files", "bad", str(e)))
+            checks.append(FileCheck(name, "bad", str(e)))
         else:
-            checks += [FileCheck(n, "ok", "matches its checksum") for n in names]
+            checks.append(
+                FileCheck(name, "ok", "matches its checksum") if name in sums else _unchecked(name)
+            )
     return checks
 
 

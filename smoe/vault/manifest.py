@@ -22,7 +22,7 @@ from smoe.models.topology import Topology
 from smoe.vault.checks import DIM_MAX, Check, show
 from smoe.vault.integrity import CHECKSUM_BITS, DEFAULT_ALGORITHM, HASHES, digest
 from smoe.vault.layout import RecordLayout
-from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE, EXPERTS_FILE, MANIFEST
+from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE, EXPERTS_FILE, MANIFEST, STATS_DIR
 from smoe.vault.packing import FLOAT_DTYPES, PROJECTIONS, Packing, projection_packing, quant_entry
 from smoe.vault.shard import Shard
 
@@ -382,21 +382,53 @@ def _checksums(c: Check, value: Any, count: int) -> tuple[str, list[int]]:
     return algorithm, values
 
 
+# Names a copied side file may not take: the vault's own files, and the export's weights.
+_NOT_SIDE_FILES = {
+    MANIFEST,
+    EXPERTS_FILE,
+    BACKBONE_FILE,
+    CONFIG_FILE,
+    STATS_DIR,
+    "model.safetensors",
+}
+MAX_SIDE_FILES = 4096
+
+
 def _source_entry(c: Check, value: Any) -> dict[str, Any]:
-    """The "source" entry; its "checksums" (vaults made since they were recorded) map each
-    copied side file (tokenizer, templates) to {"algorithm", "value"}."""
+    """The "source" entry. "copied" lists the side files (tokenizer, templates) copied from
+    the source: plain names of files beside the manifest, each once, none of the vault's
+    own; "export" copies them, the tokenizer reads them, so a path ("../x", "/home/...")
+    there would read or copy a file from anywhere. "checksums" (vaults made since they are
+    recorded) maps each of them, and only them, to {"algorithm", "value"}. The checksum
+    covers the bytes, not the name: whoever hands out a vault can sign any manifest."""
     e = c.obj(value, "source")
+    copied = e.get("copied")
+    if copied is not None:
+        for i, name in enumerate(c.list_(copied, "source.copied", 0, MAX_SIDE_FILES)):
+            at = f"source.copied[{i}]"
+            if not isinstance(name, str) or not _plain_name(name) or name in _NOT_SIDE_FILES:
+                c.fail(at, f"is {show(name)}, not the name of a file the vault copied")
+            c.str_(name, at, max_len=255)
+        if len(set(copied)) != len(copied):
+            c.fail("source.copied", "lists a file twice")
     if "checksums" in e:
         sums = c.obj(e["checksums"], "source.checksums")
-        copied = e.get("copied")
         for name, ch in sums.items():
-            where = f"source.checksums[{name!r}]"
-            if not isinstance(copied, list) or name not in copied or "/" in name:
+            where = f"source.checksums[{name!a}]"
+            if not isinstance(copied, list) or name not in copied:
                 c.fail(where, "names a file the vault did not copy")
             c.obj(ch, where)
             _, top = _checksum_range(c, c.key(ch, "algorithm", where), f"{where}.algorithm")
             c.int_(c.key(ch, "value", where), f"{where}.value", 0, top)
+        for name in copied or []:
+            if name not in sums:  # it would be exported and read unchecked
+                c.fail(f"source.copied ({show(name)})", "names a file without a checksum")
     return e
+
+
+def _plain_name(name: str) -> bool:
+    """A file name, not a path: no separator, not "." or "..", no NUL."""
+    return name not in ("", ".", "..") and not any(ch in name for ch in "/\\\0")
 
 
 def _file_entry(c: Check, value: Any, name: str, file: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from smoe.errors import CheckpointError
+from smoe.util.files import NotRegularFile, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 REDOWNLOAD = "download the file again"
@@ -111,7 +112,7 @@ def read_header(path: Path) -> ShardHeader:
     """Parse and validate ``path``'s safetensors header (see the module docstring).
     Raises CheckpointError naming the file and the fix; never reads tensor data."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would block the read forever
             size = f.seek(0, 2)
             f.seek(0)
             head = f.read(8)
@@ -125,6 +126,8 @@ def read_header(path: Path) -> ShardHeader:
                     "a safetensors file",
                 )
             raw = f.read(n)
+    except NotRegularFile as e:
+        raise _bad(path, f"is {e.kind}, not a regular file", REDOWNLOAD) from None
     except OSError as e:
         raise _bad(path, f"cannot be read ({e.strerror})", "check the file's permissions") from None
     try:

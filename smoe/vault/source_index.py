@@ -28,6 +28,7 @@ from typing import Any
 
 from smoe.errors import CheckpointError, UnsupportedModelError
 from smoe.models.topology import EXPERT_COUNT_KEYS, layer_of
+from smoe.util.files import NotRegularFile, open_regular
 from smoe.vault.layout import ITEMSIZE, RecordLayout
 from smoe.vault.manifest import ExpertLayer
 from smoe.vault.source_header import DTYPES, REDOWNLOAD, TensorEntry, read_header
@@ -157,14 +158,18 @@ def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     index_path = folder / INDEX_FILE
     if index_path.exists():
         try:
-            if index_path.stat().st_size > MAX_INDEX_BYTES:
+            with open_regular(index_path) as f:  # a FIFO would block the read forever
+                data = f.read(MAX_INDEX_BYTES + 1)
+            if len(data) > MAX_INDEX_BYTES:
                 raise ValueError("too large")
-            weight_map = json.loads(index_path.read_bytes())["weight_map"]
+            weight_map = json.loads(data)["weight_map"]
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError("bad weight_map")
             if not all(isinstance(v, str) for v in weight_map.values()):
                 raise ValueError("bad weight_map")
             names = sorted(set(weight_map.values()))
+        except NotRegularFile as e:
+            raise CheckpointError(f"{index_path} is {e.kind}, not a file; {REDOWNLOAD}") from None
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             raise CheckpointError(f"{index_path} is corrupt; {REDOWNLOAD}") from None
         bad = [n for n in names if "/" in n or "\\" in n or n in ("", ".", "..")]

@@ -232,7 +232,22 @@ def vault(tmp_path_factory):
     for _ in range(1):  # a run writes stats/ (the popularity counts)
         code, _, err = _cli(["generate", str(v.path), "--prompt-ids", PROMPT, "--max-tokens", "2"])
         assert code == 0, err
+    remember_backbone(v.path)
     return v.path
+
+
+def remember_backbone(folder: Path) -> None:
+    """Hash ``folder``'s backbone and write its memo (stats/backbone-verified.json) now,
+    whatever the clock says. A run writes the memo only once the file is 2 s old
+    (format._RACY_NS), so without this whether the worker's undamaged run wrote it, and
+    so which files the fuzz damages, depended on how loaded the machine was (issue 49:
+    the shard fuzz saw the memo appear after its file list was taken)."""
+    import smoe.vault.format as fmt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fmt, "_RACY_NS", 0)  # the window a clock would decide: closed
+        assert fmt.Vault.open(folder).verify_backbone()
+    assert (folder / "stats" / fmt.BACKBONE_MEMO).is_file()
 
 
 def run_fuzzer(folder: Path, work: Path, *extra: str) -> list[dict[str, Any]]:
@@ -299,7 +314,9 @@ def test_every_file_of_a_shard_damaged(vault, tmp_path):
     shard = tmp_path / "shard"
     code, _, err = _cli(["shard", str(vault), str(shard), "--ranks", "2", "--rank", "0"])
     assert code == 0, err
+    remember_backbone(shard)  # the memo is one of the files, however slow the machine
     files = files_of(shard)
+    assert "stats/backbone-verified.json" in files, files
     outcomes = _judge(run_fuzzer(shard, tmp_path / "work", "shard"), files)
     assert outcomes["refused"] >= len(files) * 3, outcomes
 
