@@ -1,8 +1,8 @@
 """`smoe serve` in a storm (issue 49), inside a memory cgroup of exactly its --memory
 (swap off: going over is an OOM kill): 512 clients stall request bodies (half of them
 large), others reset their connections before the headers, and concurrent clients of the
-three APIs ask greedy questions, a third of them cancelled mid-stream. Every completed
-answer equals its solo run, /health answers throughout, the log holds no traceback, the
+three APIs ask greedy questions, a third of them cancelled mid-stream and some streamed
+to their end. Every completed answer equals its solo run, /health answers throughout, the log holds no traceback, the
 server is not killed and its peak RSS stays within the budget. Bounded in count and time
 (seeded)."""
 
@@ -83,6 +83,20 @@ async def ask(http: aiohttp.ClientSession, base: str, api: str, prompt: str) -> 
         return text_of(api, await r.json())
 
 
+async def ask_streamed(http: aiohttp.ClientSession, base: str, prompt: str) -> str:
+    """An OpenAI chat streamed to its end: the text of its deltas."""
+    path, body = request("openai", prompt, stream=True)
+    pieces = []
+    async with http.post(base + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            data = line.decode().strip().removeprefix("data: ")
+            if data.startswith("{"):
+                delta = json.loads(data)["choices"][0]["delta"]
+                pieces.append(delta.get("content") or "")
+    return "".join(pieces)
+
+
 async def cancel_mid_stream(http: aiohttp.ClientSession, base: str, api: str, prompt: str) -> None:
     path, body = request(api, prompt, stream=True)
     async with http.post(base + path, json=body) as r:
@@ -154,6 +168,9 @@ async def storm(port: int, seed: int) -> tuple[dict, list[str], int]:
             if rng.random() < 1 / 3:
                 jobs.append(cancel_mid_stream(http, base, api, prompt))
                 expected.append(None)
+            elif api == "openai" and rng.random() < 1 / 2:  # a stream that runs to its end
+                jobs.append(ask_streamed(http, base, prompt))
+                expected.append(solo[(api, prompt)])
             else:
                 jobs.append(ask(http, base, api, prompt))
                 expected.append(solo[(api, prompt)])
