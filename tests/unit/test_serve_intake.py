@@ -202,3 +202,9 @@ def test_the_text_bound_never_refuses_a_prompt_that_fits(tmp_path):
         assert limit is not None and len(text.encode()) <= limit, text
         # and the bound has no more slack than it says
         assert limit == NORMALIZER_SLACK * (tokens + 1) * longest
+
+
+def test_the_reserve_docs_plan_md_quotes():
+    from smoe.serve.intake import serve_reserve
+
+    assert serve_reserve(128, 64 * 2**20) == int(105.25 * 2**20)  # docs/plan.md
