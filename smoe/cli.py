@@ -116,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "memory", None) is not None:
+        # --memory is the process's promise: bound what malloc keeps beside what is in
+        # use before MLX, mlx-lm and the engine start threads (smoe.util.allocator).
+        from smoe.util.allocator import bound_malloc
+
+        bound_malloc()
     try:
         with _interrupts_stop_the_command(), _warnings_as_lines(args.command):
             return int(args.func(args))

@@ -49,6 +49,7 @@ from smoe.plan.plan import plan as plan_engine
 from smoe.sched.popularity import Popularity
 from smoe.sched.scheduler import ExpertScheduler
 from smoe.sched.types import Priority
+from smoe.util.allocator import bound_malloc, limit_mlx_cache
 from smoe.vault.format import Vault
 from smoe.vault.source import open_model
 
@@ -111,6 +112,8 @@ class Engine:
         what was started (``aclose``) and raises it: SmoeError for a bad option or budget,
         VaultError for a vault that does not verify."""
         self._check_shard_alone()
+        if self.options.memory is not None:  # a promise: what malloc keeps, bounded
+            bound_malloc()  # (the CLI did it before any thread; here for the Python API)
         if self.options.workers is None:
             self.workers, self.workers_line = await self._auto_workers()
             if self.workers_line is not None:
@@ -129,6 +132,7 @@ class Engine:
         else:
             await anyio.to_thread.run_sync(self.vault.verify_backbone)
         try:
+            self._limit_mlx_cache(plan)
             self._parts = await open_parts(
                 self.vault, self.options, plan, self.workers, self.tracer, self._lock, self._stack
             )
@@ -140,6 +144,15 @@ class Engine:
         )
         self._opened = True
         return self
+
+    def _limit_mlx_cache(self, plan: Plan) -> None:
+        """Under a budget on the CPU, MLX's buffer cache capped at what working memory
+        counts for it (``Fit.cache``; MLX's default is 32 MB whatever the budget), until
+        the engine closes (docs/plan.md). A GPU's cache is left as MLX sets it."""
+        if self.fit is None or plan.device.gpu:
+            return
+        previous = limit_mlx_cache(self.fit.cache)
+        self._stack.callback(limit_mlx_cache, previous)
 
     def _check_shard_alone(self) -> None:
         """A shard holds one rank's experts: alone it would fail at the first expert it lacks."""

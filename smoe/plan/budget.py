@@ -16,7 +16,8 @@ formula is in docs/plan.md. Sizes are bytes; ``dsize`` is the compute dtype's it
 - working: the Python + MLX + mlx-lm runtime (measured, ``RUNTIME_BYTES``), a prefill
   chunk's activations and attention scores, the logits of a batch, one layer's KV growing
   (mlx-lm concatenates the old cache with a new step), all times MLX's buffer cache
-  (``ALLOCATOR_SLACK``: freed buffers are kept for the next pass); and what a layer-major
+  (``ALLOCATOR_SLACK``: freed buffers are kept for the next pass; the engine caps MLX's
+  cache at what this counts, ``allocator_cache_bytes``); and what a layer-major
   prefill pass holds across its chunks (``pass_bytes`` for ``pass_tokens``: the context,
   at most 4,096 tokens).
 - ring: what remains, in whole slots, at most every expert, at least one layer's top-k.
@@ -234,15 +235,31 @@ def pass_bytes(attn: Attention, dsize: int, tokens: int) -> int:
     return tokens * (2 + attn.top_k) * attn.hidden * dsize
 
 
-def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
-    """Working memory beside the backbone, KV and ring (module docstring)."""
+def transient_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
+    """What a pass allocates and frees again: a chunk's activations and attention scores,
+    a batch's logits, one layer's KV growing (module docstring)."""
     # [chunk, hidden] residual stream, norms, q/k/v/o and the MLP's gate/up/act for a chunk
     activations = chunk * (8 * attn.hidden + 3 * attn.intermediate) * dsize
     scores = 2 * attn.heads * chunk * kv_capacity(context) * 4  # float32 scores + softmax
     logits = 2 * batch * attn.vocab * 4  # float32 logits and their log-softmax
     growth = kv_bytes(attn, dsize, context) // max(1, attn.layers)  # one layer's concatenate
+    return activations + scores + logits + growth
+
+
+def allocator_cache_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
+    """The freed buffers working memory counts MLX's cache keeping for the next pass:
+    (ALLOCATOR_SLACK - 1) x ``transient_bytes``. Under a budget the engine caps MLX's
+    buffer cache at this (smoe.util.allocator.limit_mlx_cache; MLX's own default on the
+    CPU is 32 MB, whatever the budget counted)."""
+    return int((ALLOCATOR_SLACK - 1) * transient_bytes(attn, dsize, chunk, context, batch))
+
+
+def working_bytes(attn: Attention, dsize: int, chunk: int, context: int, batch: int) -> int:
+    """Working memory beside the backbone, KV and ring (module docstring)."""
+    transient = transient_bytes(attn, dsize, chunk, context, batch)
+    cache = allocator_cache_bytes(attn, dsize, chunk, context, batch)
     prompt = pass_bytes(attn, dsize, pass_tokens(context, chunk))  # a layer-major prefill
-    return RUNTIME_BYTES + int(ALLOCATOR_SLACK * (activations + scores + logits + growth) + prompt)
+    return RUNTIME_BYTES + transient + cache + prompt
 
 
 @dataclass(frozen=True)
@@ -255,6 +272,7 @@ class BudgetParts:
     context: int  # tokens the KV caches are budgeted for
     sequences: int
     kv_bits: int | None
+    cache: int = 0  # MLX's buffer cache, in working (allocator_cache_bytes)
 
     @property
     def fixed(self) -> int:
@@ -283,7 +301,8 @@ def budget_parts_for(
     if device_memory:
         working -= RUNTIME_BYTES
     kv = kv_bytes(attn, dsize, context, sequences, kv_bits)
-    return BudgetParts(backbone, kv, working, context, sequences, kv_bits)
+    cache = allocator_cache_bytes(attn, dsize, prefill_chunk, context, sequences)
+    return BudgetParts(backbone, kv, working, context, sequences, kv_bits, cache)
 
 
 @dataclass(frozen=True)
@@ -301,6 +320,7 @@ class Fit:
     sequences: int
     kv_bits: int | None
     default_context: bool = False  # the context was not asked for (default_contexts)
+    cache: int = 0  # MLX's buffer cache, in working: the engine caps MLX's at it
 
     @property
     def fixed(self) -> int:
@@ -339,6 +359,7 @@ class Fit:
             "context": self.context,
             "sequences": self.sequences,
             "kv_bits": self.kv_bits,
+            "allocator_cache_bytes": self.cache,
         }
 
 
@@ -378,4 +399,5 @@ def fit(
         needs.context,
         needs.sequences,
         needs.kv_bits,
+        cache=needs.cache,
     )

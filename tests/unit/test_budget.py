@@ -167,6 +167,38 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
         assert engine.stats().ring.slots == 3 and engine.fit is None
 
 
+@pytest.mark.asyncio
+async def test_mlx_keeps_no_more_freed_buffers_than_the_budget_counts(vault):
+    """Issue 49: working memory counts (ALLOCATOR_SLACK - 1) x a pass's transient bytes
+    for the freed buffers MLX's cache keeps; MLX's own cap on the CPU is 32 MB, whatever
+    that is. Under --memory the engine caps MLX's cache at the plan's figure while it is
+    open (what it holds after a prompt and a decode stays within it), and puts the
+    caller's limit back when it closes."""
+    from smoe.plan.budget import ALLOCATOR_SLACK, allocator_cache_bytes, transient_bytes
+
+    needs = _needs(vault, max_batch=1)
+    attn, context = Attention.of(vault.config()), default_context(vault)
+    transient = transient_bytes(attn, 4, 64, context, 1)
+    assert needs.cache == allocator_cache_bytes(attn, 4, 64, context, 1) > 0
+    assert needs.cache == int((ALLOCATOR_SLACK - 1) * transient)
+    memory = needs.fixed + 5 * vault.manifest.record.stride
+    callers = mx.set_cache_limit(123_456_789)
+    try:
+        async with Engine.open(vault.path, memory=memory, max_batch=1) as engine:
+            assert engine.fit is not None and engine.fit.cache == needs.cache
+            assert engine.fit.to_json()["allocator_cache_bytes"] == needs.cache
+            assert mx.set_cache_limit(needs.cache) == needs.cache  # capped at the plan's
+            await engine.logits(list(range(5, 200)))
+            async for _ in engine.generate([5, 6, 7], max_tokens=4):
+                pass
+            assert 0 < mx.get_cache_memory() <= needs.cache
+        assert mx.set_cache_limit(123_456_789) == 123_456_789  # the caller's, back
+        async with Engine.open(vault.path, slots=5, max_batch=1):  # no budget: untouched
+            assert mx.set_cache_limit(123_456_789) == 123_456_789
+    finally:
+        mx.set_cache_limit(callers)
+
+
 def test_the_smallest_budget_works_and_one_byte_less_is_refused(vault):
     m = vault.manifest
     top_k = m.shape.experts_per_token
