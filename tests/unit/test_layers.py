@@ -13,7 +13,8 @@ SMOE = Path(__file__).resolve().parents[2] / "smoe"
 # Lowest first. Same-rank packages do not import each other either, unless listed.
 LAYERS = [
     {"errors"},
-    {"util", "sampling", "models"},
+    {"util", "sampling"},
+    {"models"},  # (a checkpoint's files are opened with util's open_regular)
     {"vault", "synth"},
     {"sched"},
     {"io", "parallel", "telemetry"},
