@@ -210,6 +210,12 @@ def cmd_bench_policy(args: argparse.Namespace) -> int:
     return policy_main(args.rest, prog="smoe bench policy")
 
 
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from smoe.bench.tiers import main as tiers_main
+
+    return tiers_main(args.rest, prog="smoe bench tiers")
+
+
 def cmd_bench_locality(args: argparse.Namespace) -> int:
     from smoe.bench.policy import bench_locality
     from smoe.telemetry.archive import RoutingArchive
@@ -425,6 +431,13 @@ def _add_bench_routing(bsub: Any) -> None:
     )
     # Its options are smoe.bench.policy's own: main() hands it what this parser does not know.
     bp.set_defaults(func=cmd_bench_policy, passthrough=True)
+    bti = bsub.add_parser(
+        "tiers",
+        add_help=False,
+        help="replay a routing archive through a two-level cache (GPU ring + host RAM) "
+        "against Belady (--help for options)",
+    )
+    bti.set_defaults(func=cmd_bench_tiers, passthrough=True)
     bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
     bl.add_argument(
         "archive", type=Path, help="a routing archive (.npz, smoe generate --routing-archive)"
