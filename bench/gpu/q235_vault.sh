@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: build a 16-layer Qwen3-235B-geometry 4-bit vault (synth one layer,
 # convert, grow: bench/grow_vault.py), then measure. STEPS picks what runs (default all):
-#   build  io  resident  decode
-# Figures go to $OUT as JSON (bench_io.json, bench_resident.json, bench_decode.json).
+#   build  io  resident  decode  prefill
+# Figures go to $OUT as JSON (bench_io.json, bench_resident.json, bench_decode.json,
+# bench_prefill.json). Issue 48's limit: STEPS="io resident prefill" with RES_PROMPT=1024
+# (compute with every expert resident) and PRE_LENGTHS, PRE_SCHEDULES as wanted.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,16 +31,21 @@ for step in $STEPS; do
     drop
     smoe bench io "$V" --workers ${IO_WORKERS:-1,4,8,16} --reads ${IO_READS:-160} \
       --repeats ${IO_REPEATS:-2} ${IO_CONTROL:+--control} \
-      --path unified,staged --busy 0,${BUSY:-16} > "$OUT/bench_io.json" ;;
+      --path ${IO_PATHS:-unified,staged} --busy ${IO_BUSY:-0,16} > "$OUT/bench_io.json" ;;
   resident)
     drop
     smoe bench resident "$V" --device ${DEVICE:-gpu} --prompt-tokens ${RES_PROMPT:-256} \
-      --max-tokens ${RES_TOKENS:-64} > "$OUT/bench_resident.json" ;;
+      --max-tokens ${RES_TOKENS:-64} > "$OUT/bench_resident${RES_TAG:-}.json" ;;
   decode)
     drop
     smoe bench decode "$V" --device ${DEVICE:-gpu} --budgets ${BUDGETS:-5%,25%,50%,100%} \
       --prompt-tokens ${DEC_PROMPT:-8} --max-tokens ${DEC_TOKENS:-32} \
       --workers ${DEC_WORKERS:-8} > "$OUT/bench_decode.json" ;;
+  prefill)
+    drop
+    smoe bench prefill "$V" --device ${DEVICE:-gpu} --budgets ${PRE_BUDGETS:-5%} \
+      --lengths ${PRE_LENGTHS:-1024} --schedules ${PRE_SCHEDULES:-layer,chunk} \
+      --workers ${PRE_WORKERS:-8} > "$OUT/bench_prefill${PRE_TAG:-}.json" ;;
   esac
 done
 echo "== done $(date +%T)"
