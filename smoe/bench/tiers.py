@@ -17,6 +17,15 @@ Schemes:
   the key up (removed from the second tier). The second tier only ever sees demotions, so
   its own "lfu" book is as blind as FIFO; "shared" evicts by the top LFU's remembered
   weights (one frequency book for both tiers, LFU(remember=True) keeps evicted keys').
+  Each demotion is a copy GPU -> host ("demotions"), beside the bus copies up.
+- kept: exclusive in effect, with fewer copies down. A second-tier hit is copied up and
+  its host copy kept; a kept copy of a key the top tier holds is free room (evicted before
+  anything else), and demoting a key whose copy is still kept copies nothing.
+- landed: no copy down. A disk read lands in a host buffer and is copied up from there, so
+  it enters both tiers (as inclusive); a top eviction drops only the GPU copy. The second
+  tier evicts, among its unpinned keys, "shared": the least weight in the top LFU's book
+  (copies of GPU-resident keys included); "dupfirst": a copy of a GPU-resident key first
+  (the one of most weight: the last likely to leave the GPU), else the least weight.
 
 Bounds (Belady's MIN under the same pinning rules, smoe.telemetry.replay.replay_belady):
 "belady_top": MIN misses of a ring of the top's size, the fewest top misses (bus copies +
@@ -55,6 +64,9 @@ DEFAULT_SCHEMES = (
     ("exclusive", "lru", "lfu"),
     ("exclusive", "lfu", "lfu"),
     ("exclusive", "lfu", "shared"),
+    ("kept", "lfu", "shared"),
+    ("landed", "lfu", "shared"),
+    ("landed", "lfu", "dupfirst"),
 )
 
 
@@ -66,6 +78,7 @@ class TierCounts:
     top_hits: int
     bus: int  # second-tier hits: copies host -> top tier
     disk: int  # misses of both tiers: records read from the vault
+    demotions: int = 0  # exclusive: top-tier victims copied down (GPU -> host)
 
 
 class _SharedBook:
@@ -87,15 +100,38 @@ class _SharedBook:
         pass
 
     def victim(self, candidates: Iterable[Key]) -> Key:
-        weights = self.top._weight  # noqa: SLF001 - the book this policy shares by design
-        return min(candidates, key=lambda k: weights.get(k, float("-inf")))
+        return min(candidates, key=self.top.weight_of)
 
 
-def _policy(name: str, top: EvictionPolicy | None = None) -> EvictionPolicy:
-    if name == "shared":
+class _DupFirst(_SharedBook):
+    """Second-tier policy of "landed" "dupfirst": a copy of a key the top tier holds goes
+    first (of those, the one of most weight), else the least weight (module doc)."""
+
+    name = "dupfirst"
+
+    def __init__(self, top: LFU, in_top: set[Key]) -> None:
+        super().__init__(top)
+        self.in_top = in_top
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        cands = list(candidates)
+        dups = [k for k in cands if k in self.in_top]
+        if not dups:
+            return super().victim(cands)
+        return max(dups, key=self.top.weight_of)
+
+
+def _policy(
+    name: str, top: EvictionPolicy | None = None, in_top: set[Key] | None = None
+) -> EvictionPolicy:
+    if name in ("shared", "dupfirst"):
         if not isinstance(top, LFU):
-            raise ValueError("second policy 'shared' needs an lfu top tier")
-        return _SharedBook(top)
+            raise ValueError(f"second policy {name!r} needs an lfu top tier")
+        return (
+            _SharedBook(top)
+            if name == "shared"
+            else _DupFirst(top, in_top if in_top is not None else set())
+        )
     return make_policy(name)
 
 
@@ -109,20 +145,24 @@ def simulate(
 ) -> TierCounts:
     """Replay the requests (lists of distinct keys) through the two tiers (module doc)."""
     batches = stream.batches if isinstance(stream, KeyStream) else stream
-    if scheme not in ("inclusive", "exclusive"):
-        raise ValueError(f"scheme {scheme!r}: inclusive or exclusive")
+    if scheme not in ("inclusive", "exclusive", "kept", "landed"):
+        raise ValueError(f"scheme {scheme!r}: inclusive, exclusive, kept or landed")
     if scheme == "inclusive" and second_slots < top_slots:
         raise ValueError("an inclusive second tier must be at least as large as the top")
     if max((len(b) for b in batches), default=0) > top_slots:
         raise ValueError("a request pins more keys than the top tier has slots")
-    tp = make_policy(top_policy) if isinstance(top_policy, str) else top_policy
-    sp = _policy(second_policy, tp) if isinstance(second_policy, str) else second_policy
     top: set[Key] = set()
     second: set[Key] = set()
+    tp = make_policy(top_policy) if isinstance(top_policy, str) else top_policy
+    sp = _policy(second_policy, tp, top) if isinstance(second_policy, str) else second_policy
     inclusive = scheme == "inclusive"
-    requests = top_hits = bus = disk = 0
+    landed = scheme == "landed"
+    kept = scheme == "kept"
+    requests = top_hits = bus = disk = demotions = 0
 
     def second_victim(pinned: frozenset[Key]) -> Key:
+        if kept and second & top:  # a copy of a key the top holds: free room
+            return min(second & top)
         base = second - top if inclusive else second
         cands = base - pinned or base
         out = sp.victim(cands)
@@ -141,7 +181,7 @@ def simulate(
             if key in top:
                 top_hits += 1
                 tp.on_access(key)
-                if inclusive:
+                if inclusive or landed:
                     sp.on_access(key)
                 continue
             demoted: Key | None = None
@@ -151,27 +191,30 @@ def simulate(
                 tp.on_remove(demoted)
             if key in second:
                 bus += 1
-                if inclusive:
+                if inclusive or landed:
                     sp.on_access(key)
-                else:  # moves up
+                elif not kept:  # moves up
                     second_drop(key)
             else:
                 disk += 1
-                if inclusive:
+                if (inclusive or landed) and second_slots > 0:
                     if len(second) >= second_slots:
                         second_drop(second_victim(pinned))
                     second.add(key)
                     sp.on_insert(key)
                     sp.on_access(key)
-            if demoted is not None and not inclusive and second_slots > 0:
+            if demoted is not None and kept and demoted in second:
+                pass  # its copy is still kept: nothing moves
+            elif demoted is not None and scheme in ("exclusive", "kept") and second_slots > 0:
                 if len(second) >= second_slots:
                     second_drop(second_victim(pinned))
                 second.add(demoted)
                 sp.on_insert(demoted)
+                demotions += 1
             top.add(key)
             tp.on_insert(key)
             tp.on_access(key)
-    return TierCounts(requests, top_hits, bus, disk)
+    return TierCounts(requests, top_hits, bus, disk, demotions)
 
 
 def bench_tiers(
@@ -209,6 +252,7 @@ def bench_tiers(
             row["schemes"][f"{scheme} {tpol}/{spol}"] = asdict(c) | {
                 "disk_per_token": round(c.disk / tokens, 4),
                 "bus_per_token": round(c.bus / tokens, 4),
+                "demotions_per_token": round(c.demotions / tokens, 4),
                 "disk_vs_belady": round(c.disk / b_disk, 4) if b_disk else None,
                 "top_vs_belady": round((c.bus + c.disk) / b_top, 4) if b_top else None,
             }

@@ -49,3 +49,16 @@ def add_workers(p: Any) -> None:
         help="I/O threads (default auto: chosen for the disk by a short probe, cached; "
         "4 for a model under 1 GiB)",
     )
+
+
+def add_host_memory(p: Any) -> None:
+    """--host-memory: the host tier beside a GPU's ring (smoe.plan.host_tier)."""
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="host RAM for copies of experts between a GPU's ring and the disk, e.g. 64GB "
+        "(a miss it holds is copied over the bus instead of read; on top of --memory, which "
+        "is the GPU's there; 0: none; default: half the available memory where the ring is "
+        "in a discrete GPU's memory, else none; docs/cache-policy.md)",
+    )

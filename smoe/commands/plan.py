@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.commands.options import add_device, add_dtype, add_workers
+from smoe.commands.options import add_device, add_dtype, add_host_memory, add_workers
 from smoe.plan.budget import KV_BITS
 
 
@@ -19,6 +19,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     options = PlanOptions(
         memory=args.memory,
+        host_memory=args.host_memory,
         device=args.device,
         dtype=args.dtype,
         context=args.context,
@@ -71,6 +72,8 @@ def render(plan: dict[str, Any]) -> str:
         rows.append(("fit", f"does not fit: smallest budget {plan['smallest_memory']}"))
         return _table(rows)
     rows.append(("fit", plan["line"]))
+    if plan["host_tier"]["images"]:  # misses it holds come over the bus, not from the disk
+        rows.append(("host tier", plan["host_tier"]["line"] + " (the forecast reads them)"))
     pp = plan["prompt_pass"]
     rows.append(
         (
@@ -127,6 +130,7 @@ def add_plan(sub: Any) -> None:
         default=None,
         help="the whole process's budget, e.g. 8GB (default: the engine's default budget)",
     )
+    add_host_memory(p)
     add_device(p)
     add_dtype(p)
     p.add_argument(

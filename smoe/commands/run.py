@@ -12,7 +12,7 @@ from typing import Any
 
 import aiofiles.os
 
-from smoe.commands.options import add_device, add_dtype, add_workers
+from smoe.commands.options import add_device, add_dtype, add_host_memory, add_workers
 from smoe.errors import SmoeError
 from smoe.plan.budget import KV_BITS
 from smoe.util import blas
@@ -399,6 +399,8 @@ def _say_memory(engine: Any, quiet: bool) -> None:
         return
     if engine.fit is not None:
         print(engine.fit.line(), file=sys.stderr)
+    if engine.host_tier_line is not None:
+        print(engine.host_tier_line, file=sys.stderr)
     if engine.workers_line is not None:
         print(engine.workers_line, file=sys.stderr)
 
@@ -407,6 +409,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine.open keyword arguments from the options _memory_option adds."""
     return {
         "memory": args.memory,
+        "host_memory": args.host_memory,
         "slots": args.slots,
         "workers": args.workers,
         "dtype": args.dtype,
@@ -515,6 +518,7 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
         "expert if they fit in half the available memory beside the backbone, else as many "
         "as fit)",
     )
+    add_host_memory(p)
     p.add_argument(
         "--max-context",
         type=int,

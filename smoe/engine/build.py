@@ -32,6 +32,7 @@ from smoe.compute.worker import ComputeThread, LoopSlots
 from smoe.engine.batcher import Batcher, Meter
 from smoe.engine.ranks import Ranks
 from smoe.engine.tokenizer import load_tokenizer
+from smoe.io.host_tier import HostTier, TieredReader
 from smoe.io.open import open_reader
 from smoe.io.reader import RecordReader
 from smoe.io.ring import ExpertRing
@@ -58,6 +59,7 @@ class EngineParts:
     ranks: Ranks | None
     ring: ExpertRing
     reader: RecordReader
+    host_tier: HostTier | None  # host-memory copies between a GPU's ring and the vault
     popularity: Popularity
     scheduler: ExpertScheduler
     slots: LoopSlots
@@ -99,7 +101,12 @@ async def open_parts(
         vault, ring, workers=workers, direct=options.direct_io, parts=options.read_parts
     )
     stack.push_async_callback(anyio.to_thread.run_sync, reader.close)  # joins its threads
-    scheduler = make_scheduler(vault, options, ring, reader, popularity, workers)
+    tier = None
+    if plan.host_tier.images and isinstance(ring, StagedRing) and ranks is None:
+        discrete = plan.device.discrete
+        tier = await compute.run(HostTier, ring, plan.host_tier.images, discrete)
+        stack.callback(tier.close)  # (after the ring's close, pushed below)
+    scheduler = make_scheduler(vault, options, ring, reader, popularity, workers, tier)
     stack.push_async_callback(scheduler.close)
     # The ring closes before the scheduler and the reader: a read waiting for a landing
     # buffer (freed only by commits, which have stopped) gives up.
@@ -124,7 +131,17 @@ async def open_parts(
     )
     stack.push_async_callback(batcher.close)  # the way down starts here: no new step
     return EngineParts(
-        compute, ranks, ring, reader, popularity, scheduler, slots, runner, tokenizer, batcher
+        compute,
+        ranks,
+        ring,
+        reader,
+        tier,
+        popularity,
+        scheduler,
+        slots,
+        runner,
+        tokenizer,
+        batcher,
     )
 
 
@@ -175,16 +192,26 @@ def make_scheduler(
     reader: RecordReader,
     popularity: Popularity,
     workers: int,
+    tier: HostTier | None = None,
 ) -> ExpertScheduler:
-    """The scheduler over ``ring``, reading through ``reader``, under the options' policy."""
+    """The scheduler over ``ring``, reading through ``reader``, under the options' policy;
+    with a host tier, through it first, and demoting what the ring evicts into it."""
     m = vault.manifest
     base, _ = split_policy_name(options.policy)
     policy: Any = base
     if base == "hot":  # pin the historically hottest half of the ring
         policy = PinnedHot.from_counts(popularity.as_mapping(), ring.num_slots // 2)
-    return ExpertScheduler(
+    backend: Any = reader
+    on_evict = None
+    if tier is not None:
+        backend = TieredReader(tier, reader)
+
+        def on_evict(key: tuple[int, int], slot: int) -> None:
+            tier.demote(m.record_index(*key), slot)
+
+    scheduler = ExpertScheduler(
         ring.num_slots,
-        reader,
+        backend,
         record_of=lambda k: m.record_index(*k),
         record_bytes=m.record.stride,
         workers=workers,
@@ -193,7 +220,17 @@ def make_scheduler(
         # A ring holding every expert keeps each at its record's index: a layer's
         # experts stay in one bank (one call), as mlx-lm holds them.
         home=(lambda k: m.record_index(*k)) if ring.num_slots >= m.num_records else None,
+        on_evict=on_evict,
     )
+    weight_of = getattr(scheduler.policy, "weight_of", None)
+    if tier is not None and weight_of is not None:  # one frequency book for both tiers
+        keys = {
+            m.record_index(spec.layer, e): (spec.layer, e)
+            for spec in m.layers
+            for e in range(m.num_experts)
+        }
+        tier.weight = lambda record: weight_of(keys[record])
+    return scheduler
 
 
 def wire_to_loop(

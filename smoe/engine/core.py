@@ -36,7 +36,15 @@ from smoe.engine.handles import SequenceHandle
 from smoe.engine.mirror import Leader, Request
 from smoe.engine.ranks import Ranks
 from smoe.engine.requests import ticket_events
-from smoe.engine.stats import BatchStats, EngineInternals, EngineStats, QueueStats, RingStats
+from smoe.engine.stats import (
+    NO_HOST_TIER,
+    BatchStats,
+    EngineInternals,
+    EngineStats,
+    HostTierStats,
+    QueueStats,
+    RingStats,
+)
 from smoe.errors import SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
@@ -92,6 +100,7 @@ class Engine:
         # I/O threads: options.workers, or the disk's choice when the engine opens
         self.workers = options.workers or DEFAULT_WORKERS
         self.workers_line: str | None = None  # how they were chosen, where a probe ran
+        self.host_tier_line: str | None = None  # the host tier's size, where there is one
         # The backbone's hash running in the background (see __aenter__), or None.
         self._backbone_check: asyncio.Future[bool] | None = None
 
@@ -122,6 +131,12 @@ class Engine:
         self.fit = plan.ring.fit
         if self.fit is not None:
             log.info(self.fit.line())
+        if plan.host_tier.images:
+            self.host_tier_line = (
+                f"{plan.host_tier.line()} beside a ring of {plan.ring.slots:,} (misses it "
+                "holds are copied over the bus, not read from the disk)"
+            )
+            log.info(self.host_tier_line)
         # The backbone is untrusted: hash it before loading it, or, where its last hash was
         # good and its metadata has not changed since, in the background while the engine
         # opens (bit rot keeps metadata); every request waits for that before its first
@@ -389,6 +404,7 @@ class Engine:
         return EngineStats(
             scheduler=sched.stats,
             ring=RingStats(sched.num_slots, sched.fill(), slot_size(self.ring), self.ring.nbytes),
+            host_tier=self._host_tier_stats(),
             queues=QueueStats(
                 sched.queue_depth(Priority.DEMAND),
                 sched.queue_depth(Priority.SPECULATIVE),
@@ -407,6 +423,20 @@ class Engine:
             direct_io=self.reader.direct,
             draft=drafting.stats.to_json() if drafting is not None else None,
             steps=self.runner.timeline.summary(),
+        )
+
+    def _host_tier_stats(self) -> HostTierStats:
+        tier = self.debug.host_tier
+        if tier is None:
+            return NO_HOST_TIER
+        return HostTierStats(
+            tier.capacity,
+            tier.records(),
+            tier.image_bytes,
+            tier.hits,
+            tier.demoted,
+            tier.kept,
+            tier.dropped,
         )
 
     @property

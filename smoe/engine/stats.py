@@ -19,6 +19,28 @@ class RingStats:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    images: int  # experts the host tier can keep (0: no tier)
+    held: int  # experts it keeps now (copies of the ring's included)
+    image_bytes: int  # host memory per image
+    hits: int  # ring misses copied up from it (bus, host -> device)
+    demoted: int  # ring evictions copied down into it (bus, device -> host)
+    kept: int  # ring evictions whose copy it kept already (nothing moved)
+    dropped: int  # images given up for another expert
+
+    @property
+    def bytes_up(self) -> int:
+        return self.hits * self.image_bytes
+
+    @property
+    def bytes_down(self) -> int:
+        return self.demoted * self.image_bytes
+
+
+NO_HOST_TIER = HostTierStats(0, 0, 0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
 class QueueStats:
     demand: int  # reads waiting, taken first
     speculative: int  # lookahead reads waiting
@@ -40,6 +62,7 @@ class EngineStats:
 
     scheduler: SchedulerStats  # hits, misses, bytes read, queue waits, read latencies
     ring: RingStats
+    host_tier: HostTierStats
     queues: QueueStats
     batch: BatchStats
     compute_dtype: str  # e.g. "float32"
@@ -55,6 +78,8 @@ class EngineStats:
         return {
             "scheduler": self.scheduler.to_json(),
             "ring": self.ring.__dict__.copy(),
+            "host_tier": self.host_tier.__dict__
+            | {"bytes_up": self.host_tier.bytes_up, "bytes_down": self.host_tier.bytes_down},
             "queues": self.queues.__dict__.copy(),
             "batch": self.batch.__dict__.copy(),
             "compute_dtype": self.compute_dtype,
@@ -77,6 +102,7 @@ class EngineInternals:
     ring: Any  # smoe.io.ring.ExpertRing
     batcher: Any  # smoe.engine.batcher.Batcher
     reader: Any  # smoe.io.reader.RecordReader
+    host_tier: Any  # smoe.io.host_tier.HostTier, or None
     compute: Any  # smoe.compute.worker.ComputeThread: run(fn, *args) on the compute thread
     tracer: Any  # smoe.compute.tracing.Tracer
     popularity: Any  # smoe.sched.popularity.Popularity

@@ -36,6 +36,7 @@ from smoe.plan.budget import (
     pick_context,
     suggest_at_least,
 )
+from smoe.plan.host_tier import plan_host_tier
 from smoe.plan.memory import available_memory
 from smoe.plan.options import EngineOptions
 from smoe.plan.plan import Plan, device_and_dtype, plan
@@ -54,6 +55,7 @@ class PlanOptions:
     max_batch: int = 1  # sequences decoded together (KV caches kept)
     prefill_chunk: int = 64
     workers: int | None = None  # None: the engine's choice for the disk (disk_probe.auto_workers)
+    host_memory: int | str | None = None  # the host tier (smoe.plan.host_tier); None: default
 
     @property
     def io_workers(self) -> int:
@@ -173,6 +175,7 @@ def _engine_options(o: PlanOptions, context: int | None = None) -> EngineOptions
     """The options an engine run with these flags would get (what `smoe run` passes)."""
     return EngineOptions(
         memory=o.memory,
+        host_memory=o.host_memory,
         device=o.device,
         dtype=o.dtype,
         max_context=context if context is not None else o.context,
@@ -307,6 +310,17 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         out |= {"fits": False, "fit": None, "why": str(e)}
         return out
     out |= {"fits": True, "fit": budget.to_json(), "line": budget.line()}
+    tier = plan_host_tier(
+        subject.layout,
+        s.records,
+        o.host_memory,
+        ring_kind=kind,
+        ring_slots=budget.slots,
+        dtype=dtype,
+        discrete=device.discrete,
+        distributed=False,
+    )
+    out["host_tier"] = {"images": tier.images, "bytes": tier.nbytes, "line": tier.line()}
     tokens = pass_tokens(context, o.prefill_chunk)
     out["prompt_pass"] = {  # a layer-major prefill: its tokens and what they hold
         "tokens": tokens,

@@ -23,6 +23,11 @@ ring never converts or copies it. A read goes:
   The ring holds the only Python reference (shared with the expert modules, whose
   parameters are these same objects), and every computation is evaluated before the next
   commit, so nothing does (tests/unit/test_staged.py checks MLX's memory counters).
+- A host tier (smoe.io.host_tier) hands over its own host images of slots
+  (``hand_over_image``: committed as landings are, the image's ``release`` called once
+  copied) and asks for a slot's content before it is overwritten (``queue_demotion``).
+  Both go through the one ordered queue of landings, so a demotion copies what the slot
+  held when it was queued, and an image is committed after whatever fills it.
 - Banks: on a GPU MLX's kernels wrap their offsets past 2^31 bytes of an array, so the
   slots are split into banks whose arrays stay below that (whole MoE layers per bank where
   they fit); ``locate`` maps a slot id to (bank, slot in bank). A budget is never capped.
@@ -39,7 +44,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -183,12 +188,14 @@ class StagedRing:
 
         self._cond = threading.Condition()
         self._free: list[_Landing] = list(self._landings)
-        self._pending: collections.deque[tuple[int, _Landing]] = collections.deque()
+        # In arrival order: ("land", slot, source, release) and ("demote", slot, image, done).
+        self._pending: collections.deque[_Event] = collections.deque()
         self._closed = False
         self.on_landed: Callable[[], None] | None = None  # called (any thread) after a landing
         # Where the time goes (docs/performance.md): read by benchmarks.
         self.commits = 0
-        self.commit_seconds = 0.0  # compute thread, committing
+        self.demotions = 0  # slots copied out to a host image
+        self.commit_seconds = 0.0  # compute thread, committing (and demoting)
         self.landing_wait_seconds = 0.0  # I/O threads, waiting for a free landing buffer
         self.waiting_for_landing = 0  # I/O threads waiting for one now
 
@@ -289,12 +296,30 @@ class StagedRing:
         return landing_block(self.land(slot))
 
     def _hand_over(self, slot: int, land: _Landing) -> None:
+        self._queue(("land", slot, land, lambda: self._give_back([land])))
+
+    def hand_over_image(self, slot: int, image: SlotImage, release: Callable[[], None]) -> None:
+        """Any thread: commit ``image`` (a host copy of a slot, in the slots' dtypes) into
+        ``slot`` as a landing is; ``release()`` once it has been copied, or dropped (closed)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        self._queue(("land", slot, image, release))
+
+    def queue_demotion(self, slot: int, image: SlotImage, done: Callable[[bool], None]) -> None:
+        """Any thread: copy what ``slot`` holds now into ``image``, on the compute thread,
+        before any landing queued after this call overwrites it. ``done(True)`` once copied;
+        ``done(False)`` if the ring closed first."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        self._queue(("demote", slot, image, done))
+
+    def _queue(self, event: _Event) -> None:
         with self._cond:
             if self._closed:
-                self._free.append(land)
+                _drop(event)
                 self._cond.notify_all()
                 return
-            self._pending.append((slot, land))
+            self._pending.append(event)
             self._cond.notify_all()
         if self.on_landed is not None:
             self.on_landed()
@@ -327,33 +352,74 @@ class StagedRing:
 
     # ------------------------------------------------------------------ compute side
     def commit(self) -> int:
-        """Copy every landed record into its slot (compute thread); return how many."""
+        """Copy every landed record into its slot, and every queued demotion out of its
+        slot, in the order they were queued (compute thread); return how many landed."""
         with self._cond:
             if not self._pending:
                 return 0
             pending, self._pending = self._pending, collections.deque()
         start = time.perf_counter()
-        latest: dict[int, _Landing] = {}
-        done: list[_Landing] = []
-        for slot, land in pending:  # in landing order: a slot re-read since keeps the last
-            if slot in latest:
-                done.append(latest[slot])
-            latest[slot] = land
+        committed = 0
+        runs = _segments(pending)
+        try:
+            while runs:
+                lands, demotions = runs.pop(0)
+                try:
+                    self._demote(demotions)  # (their slots get no landing in this run)
+                except BaseException:
+                    runs.insert(0, (lands, demotions))
+                    raise
+                committed += self._land(lands)  # releases its landings, whatever happens
+        finally:
+            for lands, demotions in runs:  # what an error left: released, never applied
+                for event in demotions + lands:
+                    _drop(event)
+        self.commits += committed
+        self.commit_seconds += time.perf_counter() - start
+        return committed
+
+    def _land(self, lands: list[_Event]) -> int:
+        """Apply one segment's landings (a slot landed twice keeps the last)."""
+        latest: dict[int, _Event] = {}
+        stale: list[_Event] = []
+        for event in lands:
+            if event[1] in latest:
+                stale.append(latest[event[1]])
+            latest[event[1]] = event
         touched: list[Any] = []
         try:
-            for slot, land in latest.items():
+            for slot, (_, _, source, _) in latest.items():
                 bank, local = self.locate(slot)
                 arrays = self._banks[bank]
                 for c, t in self._targets:
-                    arrays[c.name][local] = land.component(c, t)
+                    arrays[c.name][local] = source.component(c, t)
                     touched.append(arrays[c.name])
             mx.eval(touched)
         finally:
             del touched
-            self._give_back(done + list(latest.values()))
-        self.commits += len(latest)
-        self.commit_seconds += time.perf_counter() - start
+            for event in stale + list(latest.values()):
+                event[3]()
         return len(latest)
+
+    def _demote(self, demotions: list[_Event]) -> None:
+        """Copy each demoted slot's arrays into its image (one evaluation for all)."""
+        if not demotions:
+            return
+        parts = []
+        for _, slot, image, _ in demotions:
+            bank, local = self.locate(slot)
+            for c, _t in self._targets:
+                # A fresh array, written by the device: reading the bank from the host
+                # would pull its pages over (MLX's CUDA memory is managed).
+                part = self._banks[bank][c.name][local].reshape(-1).view(mx.uint8) + 0
+                parts.append((image, c, part))
+        mx.eval([x for _, _, x in parts])
+        for image, c, x in parts:
+            image.write(c, np.asarray(x))
+        del parts  # (views of the banks: an update must find them unreferenced to donate)
+        for _, _, _, done in demotions:
+            done(True)
+        self.demotions += len(demotions)
 
     def block_on(self, future: concurrent.futures.Future[T]) -> T:
         future.add_done_callback(lambda _: self._notify())
@@ -391,6 +457,8 @@ class StagedRing:
         once the compute side has stopped committing."""
         with self._cond:
             self._closed = True
+            for event in self._pending:
+                _drop(event)
             self._pending.clear()
             self._free.clear()  # _take refuses from now on
             self._banks, self._landings = [], []
@@ -401,3 +469,48 @@ class StagedRing:
             f"StagedRing({self.num_slots} slots in {len(self._banks)} bank(s), "
             f"{format_bytes(self.nbytes)} of {self.dtype}, {len(self._landings)} landings)"
         )
+
+
+class SlotImage(Protocol):
+    """A host copy of one slot, in the slots' dtypes (smoe.io.host_tier.HostImage)."""
+
+    def component(self, c: Component, dtype: Any) -> Any:
+        """Component ``c`` as a lazy [*shape] array in ``dtype`` (the slot's)."""
+        ...
+
+    def write(self, c: Component, data: np.ndarray) -> None:
+        """Put component ``c``'s bytes (uint8, as the slot holds them) into the image."""
+        ...
+
+
+# ("land", slot, _Landing or SlotImage, release()) or ("demote", slot, SlotImage, done(ok))
+_Event = tuple[str, int, Any, Callable[..., None]]
+
+
+def _drop(event: _Event) -> None:
+    """An event that will never run: its landing released, its demotion told it failed."""
+    if event[0] == "land":
+        event[3]()
+    else:
+        event[3](False)
+
+
+def _segments(events: collections.deque[_Event]) -> list[tuple[list[_Event], list[_Event]]]:
+    """Split queued events into runs that may be applied as (demotions, then landings):
+    a run ends where a demotion would read a slot the run lands in, or a landing would
+    overwrite a slot the run demotes."""
+    runs: list[tuple[list[_Event], list[_Event]]] = []
+    lands: list[_Event] = []
+    demotions: list[_Event] = []
+    landed: set[int] = set()
+    demoted: set[int] = set()
+    for event in events:
+        kind, slot = event[0], event[1]
+        if (kind == "demote" and slot in landed) or (kind == "land" and slot in demoted):
+            runs.append((lands, demotions))
+            lands, demotions, landed, demoted = [], [], set(), set()
+        (demotions if kind == "demote" else lands).append(event)
+        (demoted if kind == "demote" else landed).add(slot)
+    if lands or demotions:
+        runs.append((lands, demotions))
+    return runs

@@ -27,6 +27,9 @@ class EngineOptions:
     # all experts if they fit, else what does (smoe.plan.ring: the GPU's free memory, or half the
     # available memory beside the backbone)
     slots: int | None = None  # explicit ring size (wins over memory)
+    # The host tier beside a GPU's ring (smoe.plan.host_tier): "64GB", 0 for none; None:
+    # half the host's available memory where the ring is a discrete GPU's, else none.
+    host_memory: int | str | None = None
     # I/O threads; None: chosen for the disk when the engine opens (smoe.io.disk_probe.
     # auto_workers: a short probe per disk, cached; 4 for a model under 1 GiB)
     workers: int | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 from smoe.errors import BudgetTooSmall
 from smoe.plan.budget import Attention, kv_group_size, pick_context
+from smoe.plan.host_tier import HostTierPlan, plan_host_tier
 from smoe.plan.options import EngineOptions
 from smoe.plan.ring import (
     Device,
@@ -42,6 +43,7 @@ class Plan:
     default_context: bool  # max_context is the default's (none was asked for)
     kv_group_size: int  # the quantized KV cache's group size (64 when not quantized)
     ring: RingPlan  # kind, slots, slot bytes, and how a --memory divided (``ring.fit``)
+    host_tier: HostTierPlan  # the host tier's images (none: 0)
 
 
 def device_and_dtype(options: EngineOptions) -> tuple[Any, Device, Any]:
@@ -110,4 +112,14 @@ def plan(model: Any, options: EngineOptions, workers: int, batchable: bool = Fal
         default_context=default,
         kv_group_size=kv_group_size(config) if o.kv_bits else 64,
         ring=ring,
+        host_tier=plan_host_tier(
+            m.record,
+            m.num_records,
+            o.host_memory,
+            ring_kind=ring.kind,
+            ring_slots=ring.slots,
+            dtype=dtype,
+            discrete=device.discrete,
+            distributed=o.distributed is not None,
+        ),
     )

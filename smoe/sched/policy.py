@@ -374,6 +374,11 @@ class LFU:
         if len(self._heap) > 4 * len(self._resident) + 64:
             self._compact()
 
+    def weight_of(self, key: Key) -> float:
+        """``key``'s weight as eviction ranks it (log2; an evicted key's is remembered):
+        -inf for a key never accessed, and for every key before the first eviction."""
+        return self._weight.get(key, -math.inf)
+
     def on_remove(self, key: Key) -> None:
         self._resident.discard(key)
         if key in self._provisional or not self.remember:

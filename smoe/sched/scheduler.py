@@ -124,7 +124,9 @@ class ExpertScheduler:
     more are handed to the backend ahead of time, so that a worker that finishes a read
     finds its next one at once (the backend must take demand before speculation).
     ``home(key)``: a slot to load ``key`` into when it is EMPTY (a ring that holds the whole
-    model keeps each layer's experts together), or None for any.
+    model keeps each layer's experts together), or None for any. ``on_evict(key, slot)``
+    is called (on the loop) as a READY record is evicted, before a read for another is
+    queued into its slot (a host tier demotes it then: smoe.io.host_tier).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class ExpertScheduler:
         policy: str | EvictionPolicy = "lru",
         clock: Callable[[], float] = time.perf_counter,
         home: Callable[[Key], int | None] | None = None,
+        on_evict: Callable[[Key, int], None] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError("the ring needs at least one slot")
@@ -152,6 +155,7 @@ class ExpertScheduler:
             stats=SchedulerStats(),
             clock=clock,
             home=home,
+            on_evict=on_evict,
         )
         self._backend = backend
         self._record_of = record_of

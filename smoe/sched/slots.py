@@ -62,8 +62,10 @@ class SlotTable:
         stats: SchedulerStats,
         clock: Callable[[], float],
         home: Callable[[Key], int | None] | None,
+        on_evict: Callable[[Key, int], None] | None = None,
     ) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
+        self.on_evict = on_evict  # told (key, slot) as a READY record is evicted
         self.policy = policy
         self.stats = stats
         self.governor = SpeculationGovernor()  # bets' outcomes: whether to take more
@@ -330,10 +332,13 @@ class SlotTable:
         if slot.speculative:  # a bet read and never asked for
             self.stats.speculative_wasted += 1
             self.governor.outcome(used=False)
-        del self._where[slot.key]
-        self.policy.on_remove(slot.key)
+        key = slot.key
+        del self._where[key]
+        self.policy.on_remove(key)
         self._empty(slot)
         self.stats.evictions += 1
+        if self.on_evict is not None:  # before anything is queued into the slot
+            self.on_evict(key, slot.index)
 
     def _abandon(self, slot: Slot) -> None:
         """Forget a queued (never started) load: the slot becomes EMPTY."""

@@ -547,3 +547,31 @@ async def test_a_key_goes_to_its_home_slot_when_it_is_empty():
     await settle()
     assert sched.slot_of((0, 1)) == 6
     sched.check_invariants()
+
+
+async def test_an_eviction_is_told_before_a_read_is_queued_into_its_slot():
+    """``on_evict(key, slot)`` (a host tier's demotion) comes as a READY record leaves,
+    before the read of the record that takes its slot is handed to the backend; a load
+    that never completed (failed, dropped) is not an eviction."""
+    events = []
+    be = ControlledBackend(auto=True)
+    original = be.read
+
+    async def read(record, slot, priority=0):
+        events.append(("read", record, slot))
+        return await original(record, slot, priority)
+
+    be.read = read
+    sched = ExpertScheduler(
+        2,
+        be,
+        record_of=record_of,
+        record_bytes=100,
+        on_evict=lambda key, slot: events.append(("evict", key, slot)),
+    )
+    sched.release(await sched.acquire(0, [1, 2]))
+    sched.release(await sched.acquire(0, [3]))
+    victim = next(e for e in events if e[0] == "evict")
+    assert events.index(victim) < events.index(("read", 3, victim[2]))
+    assert victim[1] in ((0, 1), (0, 2)) and len([e for e in events if e[0] == "evict"]) == 1
+    sched.check_invariants()
