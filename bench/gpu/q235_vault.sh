@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: build a 16-layer Qwen3-235B-geometry 4-bit vault (synth one layer,
 # convert, grow: bench/grow_vault.py), then measure. STEPS picks what runs (default all):
-#   build  io  resident  decode  prefill
+#   build  io  resident  decode  prefill  tiers
 # Figures go to $OUT as JSON (bench_io.json, bench_resident.json, bench_decode.json,
 # bench_prefill.json). Issue 48's limit: STEPS="io resident prefill" with RES_PROMPT=1024
-# (compute with every expert resident) and PRE_LENGTHS, PRE_SCHEDULES as wanted.
+# (compute with every expert resident) and PRE_LENGTHS, PRE_SCHEDULES as wanted. Issue
+# 50's: STEPS=tiers (bench_tiers.json: decode at each ring budget with each host tier).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,6 +42,11 @@ for step in $STEPS; do
     smoe bench decode "$V" --device ${DEVICE:-gpu} --budgets ${BUDGETS:-5%,25%,50%,100%} \
       --prompt-tokens ${DEC_PROMPT:-8} --max-tokens ${DEC_TOKENS:-32} \
       --workers ${DEC_WORKERS:-8} > "$OUT/bench_decode.json" ;;
+  tiers)
+    drop
+    smoe bench decode "$V" --device ${DEVICE:-gpu} --budgets ${TIER_BUDGETS:-5%,25%} \
+      --host-tiers ${HOST_TIERS:-0,50%,100%} --prompt-tokens ${DEC_PROMPT:-8} \
+      --max-tokens ${DEC_TOKENS:-32} --workers ${DEC_WORKERS:-8} > "$OUT/bench_tiers.json" ;;
   prefill)
     drop
     smoe bench prefill "$V" --device ${DEVICE:-gpu} --budgets ${PRE_BUDGETS:-5%} \

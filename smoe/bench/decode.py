@@ -8,7 +8,10 @@ session, where the ring already holds the popular experts). Beside them, in the 
 run: the raw disk bandwidth (plain O_DIRECT preadv of whole records, the engine's worker
 count) and the compute time per token (decode with every expert resident: no I/O). The
 physical limit for a budget is max(bytes missed per token / raw bandwidth, compute per
-token): no engine can beat both the disk and the arithmetic.
+token): no engine can beat both the disk and the arithmetic. With host tiers
+(``host_tiers``, a staged ring), each budget runs once per tier size, and the limit adds
+the bytes copied up per token over the bus rate measured in the same run (copies up from
+host images into slots: ``HostTier.measure_bus``); copies down go the other way.
 
 prefill: time to first token and prefill tok/s for prompts of several lengths at each
 budget, with the bytes read against the bytes of each layer's union over the whole prompt
@@ -24,6 +27,7 @@ from smoe.bench.generate import budget_slots
 from smoe.engine import Engine
 from smoe.forecast.workload import fill_ring, random_prompt
 from smoe.io.disk_probe import baseline_run, drop_file_cache
+from smoe.util.sizes import parse_size
 from smoe.vault.format import Vault
 
 
@@ -53,7 +57,35 @@ async def _run(
             async for ev in engine.generate(p, max_tokens=max_tokens, stop_at_eos=False):
                 stats = ev.stats or stats
             runs.append(stats)
-        return runs[0], runs[1] if then is not None else None, engine.ring, engine.reader.direct
+        return (
+            runs[0],
+            runs[1] if then is not None else None,
+            engine.ring,
+            engine.reader.direct,
+            engine.stats().host_tier,
+        )
+
+
+async def bus_bandwidth(vault: Vault, **options: Any) -> tuple[float, int]:
+    """(GB/s of copies up from host images into a staged ring's slots, the image's bytes):
+    the host tier's bus (host -> GPU on CUDA), in an engine of its own."""
+    from smoe.io.host_tier import image_layout
+
+    m = vault.manifest
+    count = min(32, m.num_records - 1)
+    opts = options | {"ring": "staged"}
+    async with Engine.open(vault.path, slots=count, **opts) as probe:
+        image = image_layout(m.record, probe.dtype)[1]
+    async with Engine.open(vault.path, slots=count, host_memory=count * image, **opts) as engine:
+        tier = engine.debug.host_tier
+        return await engine.debug.compute.run(tier.measure_bus, tier.capacity), image
+
+
+def _tier_bytes(vault: Vault, tier: str, image_bytes: int) -> int:
+    """A host tier's bytes: a share of every record's image ('100%'), or a size."""
+    if tier.endswith("%"):
+        return round(float(tier[:-1]) / 100 * vault.manifest.num_records) * image_bytes
+    return parse_size(tier)
 
 
 def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) -> float:
@@ -64,11 +96,16 @@ def raw_bandwidth(vault: Vault, workers: int, records: int = 96, seed: int = 0) 
     return baseline_run(vault.experts_path, m.record.stride, order, workers).gbps
 
 
-def _decode_row(stats: Any, compute_s: float, bandwidth: float, share: float) -> dict[str, Any]:
+def _decode_row(
+    stats: Any, compute_s: float, bandwidth: float, share: float, bus: float | None = None
+) -> dict[str, Any]:
     """One ring's decode figures beside the physical limit: max(the I/O bound of its bytes
-    per token at ``bandwidth`` GB/s, ``compute_s`` per token all resident)."""
+    per token at ``bandwidth`` GB/s (plus its copies up at ``bus`` GB/s, with a host
+    tier), ``compute_s`` per token all resident)."""
     per_token = 1.0 / stats.decode_tok_s
     io_s = stats.decode_bytes_per_token / (bandwidth * 1e9)
+    if bus:
+        io_s += stats.decode_bus_bytes_per_token / (bus * 1e9)
     bound = max(io_s, compute_s)
     copy = stats.decode_copy_share * per_token
     wait = max(stats.decode_io_wait_share * per_token - copy, 0.0)  # copies happen in waits
@@ -80,6 +117,7 @@ def _decode_row(stats: Any, compute_s: float, bandwidth: float, share: float) ->
         "decode_hit_rate": round(stats.decode_hit_rate, 4),
         "bytes_per_token": int(stats.decode_bytes_per_token),
         "MB_per_token": round(stats.decode_bytes_per_token / 1e6, 2),
+        "bus_MB_per_token": round(stats.decode_bus_bytes_per_token / 1e6, 2),
         "io_bound_s": round(io_s, 5),
         "compute_bound_s": round(compute_s, 5),
         "physical_limit_s": round(bound, 5),
@@ -103,6 +141,7 @@ async def bench_decode(
     device: str | None = None,
     ring: str = "auto",
     read_parts: int | None = None,
+    host_tiers: list[str] | None = None,
 ) -> dict[str, Any]:
     vault = Vault.open(vault_path)
     m = vault.manifest
@@ -112,29 +151,37 @@ async def bench_decode(
     second = random_prompt(vault, prompt_tokens, seed + 1)
     warm, *_ = await _run(vault, m.num_records, prompt, max_tokens, workers, True, **options)
     compute_s = 1.0 / warm.decode_tok_s
+    bus, image_bytes = (None, 0) if not host_tiers else await bus_bandwidth(vault, **options)
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        stats, steady, the_ring, direct = await _run(
-            vault,
-            slots,
-            prompt,
-            max_tokens,
-            workers,
-            then=second,
-            spec=spec,
-            lookahead=lookahead,
-            **options,
-        )
-        share = slots / m.num_records
-        row = _decode_row(stats, compute_s, bandwidth, share)
-        rows.append(
-            {"budget": budget, "ring": the_ring.kind, "ring_slots": slots}
-            | row
-            | {"huge_pages": getattr(the_ring, "huge_pages", None), "direct_io": direct}
-            # A second prompt on the ring the first left: a session's steady state.
-            | {"warm_ring": _decode_row(steady, compute_s, bandwidth, share)}
-        )
+        for tier in host_tiers or [None]:
+            host = None if tier is None else _tier_bytes(vault, tier, image_bytes)
+            stats, steady, the_ring, direct, tier_stats = await _run(
+                vault,
+                slots,
+                prompt,
+                max_tokens,
+                workers,
+                then=second,
+                spec=spec,
+                lookahead=lookahead,
+                host_memory=host,
+                **options,
+            )
+            share = slots / m.num_records
+            row = _decode_row(stats, compute_s, bandwidth, share, bus)
+            head = {"budget": budget, "ring": the_ring.kind, "ring_slots": slots}
+            if tier is not None:
+                head |= {"host_tier": tier, "host_images": tier_stats.images}
+            rows.append(
+                head
+                | row
+                | {"huge_pages": getattr(the_ring, "huge_pages", None), "direct_io": direct}
+                # A second prompt on the ring the first left: a session's steady state.
+                | {"warm_ring": _decode_row(steady, compute_s, bandwidth, share, bus)}
+                | ({"host_tier_stats": tier_stats.__dict__} if tier is not None else {})
+            )
     return {
         "benchmark": "decode",
         "vault": str(vault.path),
@@ -148,6 +195,8 @@ async def bench_decode(
         "spec": spec,
         "lookahead": lookahead,
         "raw_disk_GBps": round(bandwidth, 3),
+        "bus_GBps": round(bus, 3) if bus else None,
+        "host_image_bytes": image_bytes or None,
         "compute_per_token_s": round(compute_s, 5),
         "resident_decode_tok_s": round(warm.decode_tok_s, 3),
         "runs": rows,

@@ -58,7 +58,27 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         control=args.control,
     )
+    if args.host_tier:  # copies up from host images beside the disk's reads
+        from smoe.bench.decode import bus_bandwidth
+        from smoe.util.loop import run
+        from smoe.vault.format import Vault
+
+        bus, image = run(bus_bandwidth(Vault.open(args.vault), device=args.device))
+        disk = max(r["baseline_GBps"] for r in report["sweep"])
+        report["host_tier"] = {
+            "bus_GBps": round(bus, 3),
+            "image_bytes": image,
+            "best_disk_GBps": disk,
+            "bus_over_disk": round(bus / disk, 2),
+        }
     print(json.dumps(stamp(report, args.argv), indent=1))
+    if args.host_tier:
+        t = report["host_tier"]
+        print(
+            f"host tier: copies up {t['bus_GBps']:.2f} GB/s, {t['bus_over_disk']:.1f}x the "
+            f"disk's best {t['best_disk_GBps']:.2f} GB/s",
+            file=sys.stderr,
+        )
     for row in report["sweep"]:
         print(
             f"{row['path']:>8} busy {row['busy_processes']:>2} parts {row['read_parts']} "
@@ -143,7 +163,13 @@ def cmd_bench_limits(args: argparse.Namespace) -> int:
                 f"{r['budget']:>6} ({r['ring_slots']} slots): {r['decode_tok_s']:.2f} tok/s, "
                 f"{1e3 * r['time_per_token_s']:.1f} ms/token vs limit "
                 f"{1e3 * r['physical_limit_s']:.1f} ms ({r['ratio_to_limit']:.2f}x); "
-                f"hit {100 * r['decode_hit_rate']:.0f}%, {format_bytes(r['bytes_per_token'])}/token",
+                f"hit {100 * r['decode_hit_rate']:.0f}%, {format_bytes(r['bytes_per_token'])}/token"
+                + (
+                    f"; host tier {r['host_tier']}: "
+                    f"{format_bytes(int(r['bus_MB_per_token'] * 1e6))}/token over the bus"
+                    if "host_tier" in r
+                    else ""
+                ),
                 file=sys.stderr,
             )
         else:
@@ -184,6 +210,7 @@ def _measure_limits(args: argparse.Namespace) -> dict[str, Any]:
                 device=args.device,
                 ring=args.ring,
                 read_parts=args.read_parts,
+                host_tiers=args.host_tiers.split(",") if args.host_tiers else None,
             )
         )
     lengths = args.lengths or str(args.prompt_tokens)
@@ -331,6 +358,13 @@ def _add_bench_io(bsub: Any) -> None:
         help="also time a second baseline per repeat: control_ratio (baseline / baseline) is "
         "how far two identical runs differ on this disk, the noise floor of ratio",
     )
+    bio.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="also time copies up from host-tier images into a staged ring (the bus a "
+        "host tier's hits take: host -> GPU on CUDA) against the disk's best rate",
+    )
+    add_device(bio)
     _bench_seed(bio, "the records' order")
     bio.set_defaults(func=cmd_bench_io)
 
@@ -383,6 +417,14 @@ def _add_bench_limits(bsub: Any) -> None:
             action="store_false",
             help="do not prefetch the next layer's predicted experts (decode only)",
         )
+        if name == "decode":
+            bd.add_argument(
+                "--host-tiers",
+                default=None,
+                help="comma list of host tier sizes, each a row per budget: shares of every "
+                "expert like 0,50%%,100%% or sizes like 64GB (a staged ring: a GPU's; "
+                "default: none, and no host tier)",
+            )
         if name == "prefill":
             bd.add_argument(
                 "--lengths",

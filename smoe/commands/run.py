@@ -157,10 +157,12 @@ def _print_generated(
         )
     else:
         print()
+        bus = stats.get("bus_bytes", 0)
+        bus_note = f" + {format_bytes(bus)} from the host tier" if bus else ""
         print(
             f"[{len(tokens)} tokens, {finish}; first token {stats['ttft_s']:.2f} s, "
             f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.2f} "
-            f"tok/s, read {format_bytes(stats['bytes_read'])}, hit rate "
+            f"tok/s, read {format_bytes(stats['bytes_read'])}{bus_note}, hit rate "
             f"{100 * stats['hit_rate']:.0f}%; computed in {stats['compute_dtype_note']} by "
             f"{stats['arithmetic']}]",
             file=sys.stderr,

@@ -50,10 +50,13 @@ class Meter:
     wait_s: float = 0.0
     experts: int = 0  # distinct experts summed over (pass, MoE layer)
     copy_s: float = 0.0  # compute thread committing landed records (a staged ring)
+    bus_bytes: int = 0  # copied up from the host tier (smoe.io.host_tier)
 
-    def add(self, cost: Meter, bytes_read: int) -> None:
-        """Count ``cost`` here, with ``bytes_read`` as this request's share of its bytes."""
-        self.bytes_read += bytes_read
+    def add(self, cost: Meter, rows: int = 1) -> None:
+        """Count ``cost`` here, with a ``rows``-th of its bytes: one read served every row
+        of a step that used it."""
+        self.bytes_read += cost.bytes_read // rows
+        self.bus_bytes += cost.bus_bytes // rows
         self.hits += cost.hits
         self.misses += cost.misses
         self.wait_s += cost.wait_s
@@ -68,6 +71,7 @@ class Meter:
             self.wait_s - other.wait_s,
             self.experts - other.experts,
             self.copy_s - other.copy_s,
+            self.bus_bytes - other.bus_bytes,
         )
 
 
@@ -353,7 +357,7 @@ class Batcher:
             return
         finally:
             cost = self.meter() - before
-            ticket.prefill.add(cost, cost.bytes_read)
+            ticket.prefill.add(cost)
 
     async def _decode(self, ready: list[Ticket]) -> None:
         before = self.meter()
@@ -369,11 +373,10 @@ class Batcher:
         cost = self.meter() - before
         self.steps += 1
         self.step_rows += len(ready)
-        share = cost.bytes_read // len(ready)  # one read served every row that used it
         for ticket, tokens in zip(ready, runs, strict=True):
             # The first token's step belongs to the time to first token, as in solo use.
             m = ticket.prefill if ticket.generated == 0 else ticket.decode
-            m.add(cost, share)
+            m.add(cost, len(ready))
             if ticket.generated > 0:
                 ticket.batch_sizes.append(len(ready))
             for token in tokens:

@@ -123,7 +123,7 @@ async def open_parts(
         compute,
         runner,
         lock,
-        make_meter(scheduler, slots, tracer, ring),
+        make_meter(scheduler, slots, tracer, ring, tier),
         max_batch=plan.max_batch,
         on_demand=functools.partial(_give_way, scheduler),
         draft=runner.step_draft if runner.drafting is not None else None,
@@ -146,12 +146,17 @@ async def open_parts(
 
 
 def make_meter(
-    scheduler: ExpertScheduler, slots: LoopSlots, tracer: Tracer, ring: ExpertRing
+    scheduler: ExpertScheduler,
+    slots: LoopSlots,
+    tracer: Tracer,
+    ring: ExpertRing,
+    tier: HostTier | None = None,
 ) -> Callable[[], Meter]:
     """The batcher's meter: engine-wide counters read around each job."""
 
     def meter() -> Meter:
         sched = scheduler.stats
+        bus = tier.hits * tier.image_bytes if tier is not None else 0
         return Meter(
             sched.bytes_read(),
             sched.hits + slots.resident_hits,
@@ -159,6 +164,7 @@ def make_meter(
             slots.wait_seconds,
             tracer.counters.unique_experts,
             getattr(ring, "commit_seconds", 0.0),
+            bus,
         )
 
     return meter

@@ -22,6 +22,8 @@ class GenerationStats:
     prefill_unique_experts: int = 0  # sum over (chunk, layer) of distinct experts
     prefill_bytes: int = 0
     decode_bytes_per_token: float = 0.0
+    bus_bytes: int = 0  # copied up from the host tier instead of read (smoe.io.host_tier)
+    decode_bus_bytes_per_token: float = 0.0
     decode_io_wait_share: float = 0.0  # of decode time, spent waiting for expert reads
     decode_copy_share: float = 0.0  # of decode time, copying landed reads into slots (staged)
     decode_batch_mean: float = 0.0  # sequences per decode step (1: it ran alone)

@@ -73,6 +73,7 @@ def request_stats(ticket: Ticket, stats: GenerationStats, t_first: float | None)
         span = max(end - t_first, 1e-9)
         stats.decode_tok_s = decoded / span
         stats.decode_bytes_per_token = dec.bytes_read / decoded
+        stats.decode_bus_bytes_per_token = dec.bus_bytes / decoded
         stats.decode_io_wait_share = min(1.0, dec.wait_s / span)
         stats.decode_copy_share = min(1.0, dec.copy_s / span)
         asked = dec.hits + dec.misses
@@ -80,6 +81,7 @@ def request_stats(ticket: Ticket, stats: GenerationStats, t_first: float | None)
     if ticket.batch_sizes:
         stats.decode_batch_mean = sum(ticket.batch_sizes) / len(ticket.batch_sizes)
     stats.bytes_read = pre.bytes_read + dec.bytes_read
+    stats.bus_bytes = pre.bus_bytes + dec.bus_bytes
     if ticket.seq is not None:  # (sizes only: no MLX array is read or evaluated)
         stats.kv_cache_bytes = cache_nbytes(ticket.seq)
     stats.hits, stats.misses = pre.hits + dec.hits, pre.misses + dec.misses

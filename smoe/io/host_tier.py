@@ -189,6 +189,22 @@ class HostTier:
         self.dropped += 1
         return victim.index
 
+    def measure_bus(self, count: int, rounds: int = 3) -> float:
+        """GB/s of copies up: ``count`` images committed into slots 0..count-1 at once,
+        best of ``rounds`` (the compute thread; benchmarks only: the slots get the images'
+        bytes, so the ring's records there are lost to anyone computing on it)."""
+        import time
+
+        count = min(count, self.capacity, self.ring.num_slots)
+        best = float("inf")
+        for _ in range(rounds):
+            for slot in range(count):
+                self.ring.hand_over_image(slot, self._images[slot], lambda: None)
+            start = time.perf_counter()
+            self.ring.commit()
+            best = min(best, time.perf_counter() - start)
+        return count * self.image_bytes / best / 1e9
+
     # ------------------------------------------------------------------ queries
     def holds(self, record: int) -> bool:
         with self._lock:

@@ -143,6 +143,57 @@ def test_a_vault_larger_than_the_budget_streams_inside_a_container_of_it(q30_vau
     print(f"vault {vault_bytes}, budget {budget}, peak RSS {peak}, cgroup {run.peak}")
 
 
+def test_a_host_tier_is_held_inside_a_container_of_both_budgets(q30_vault, run_cli):
+    """Issue 50: the host tier's images are host memory the process takes, on top of
+    --memory. The same vault at the smallest budget for a 256-token context plus
+    --host-memory for half its experts' images, inside a memory cgroup of exactly the sum,
+    swap off: no OOM kill, peak RSS within the sum, misses copied up from the tier, and the
+    tokens of the run without a tier."""
+    vault = q30_vault
+    code, out, err = run_cli("plan", vault, "--no-compute", "--json", "--context", "256")
+    assert code == 0, err
+    budget = int(json.loads(out)["smallest_memory_bytes"])
+    code, out, err = run_cli(
+        "plan",
+        vault,
+        "--no-compute",
+        "--json",
+        "--context",
+        "256",
+        "--memory",
+        str(budget),
+        "--host-memory",
+        "300MB",
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    host = plan["host_tier"]["bytes"]
+    assert plan["ring"] == "staged" and plan["host_tier"]["images"] > 64, plan["host_tier"]
+    prompt = np.random.default_rng(50).integers(2, 4000, 40).tolist()
+    generate = ["generate", str(vault), "--prompt-ids", ",".join(map(str, prompt))]
+    generate += ["--max-tokens", "12", "--max-context", "256", "--memory", str(budget)]
+    generate += ["--json"]
+    code, out, err = run_cli(*generate)
+    assert code == 0, err
+    alone = json.loads(out.strip().splitlines()[-1])["tokens"]
+    run = limited(
+        [sys.executable, "-c", PEAK_RSS, *generate, "--host-memory", str(host)],
+        budget + host,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    if run is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a memory controller)")
+    r = run.result
+    assert run.oom_kills == 0 and r.returncode == 0, (run, r.stderr[-2000:])
+    report = json.loads(r.stdout.split("PEAK")[0].strip().splitlines()[-1])
+    assert report["tokens"] == alone and report["stats"]["bus_bytes"] > 0
+    peak = int(r.stdout.split("PEAK")[-1])
+    assert peak <= budget + host, f"peak RSS {peak} above {budget} + {host}"
+    print(f"budget {budget} + host tier {host}, peak RSS {peak}, cgroup {run.peak}")
+
+
 # The PEAK_RSS runner with every Python thread's start put off by a seeded random 0-50 ms
 # (the compute thread, the I/O workers, the scheduler's and anyio's threads start in
 # another order each seed), printing at the end the arenas glibc's malloc made.
