@@ -106,6 +106,8 @@ class HostTier:
         self._lock = threading.Lock()
         self._free = list(range(capacity - 1, -1, -1))
         self._where: dict[int, _Entry] = {}  # record -> its image
+        # Free room found in O(1): filled, unpinned copies of records the ring holds.
+        self._spare: dict[int, _Entry] = {}
         self._clock = 0
         # Counted for the stats and benchmarks (records; bytes are x image_bytes).
         self.hits = 0  # copies up
@@ -133,6 +135,7 @@ class HostTier:
                 return False
             entry.pins += 1
             entry.in_ring = True
+            self._spare.pop(record, None)
             self.hits += 1
         image = self._images[entry.index]
         self.ring.hand_over_image(slot, image, lambda: self._unpin(entry))
@@ -141,6 +144,19 @@ class HostTier:
     def _unpin(self, entry: _Entry) -> None:
         with self._lock:
             entry.pins -= 1
+            self._note_spare(entry)
+
+    def _note_spare(self, entry: _Entry) -> None:
+        """(Under the lock.) Keep ``_spare`` true for ``entry``."""
+        if (
+            entry.in_ring
+            and entry.pins == 0
+            and entry.filled
+            and self._where.get(entry.record) is entry
+        ):
+            self._spare[entry.record] = entry
+        else:
+            self._spare.pop(entry.record, None)
 
     # ------------------------------------------------------------------ the ring's evictions
     def demote(self, record: int, slot: int) -> None:
@@ -151,6 +167,7 @@ class HostTier:
             entry = self._where.get(record)
             if entry is not None:  # its copy is kept: nothing moves
                 entry.in_ring = False
+                self._spare.pop(record, None)
                 self.kept += 1
                 return
             index = self._room()
@@ -168,19 +185,22 @@ class HostTier:
             if not ok and self._where.get(entry.record) is entry:  # (the ring closed)
                 del self._where[entry.record]
                 self._free.append(entry.index)
+            self._note_spare(entry)
 
     def _room(self) -> int | None:
         """A free image, else one given up (under the lock): a copy of a record the ring
         holds first, then the least weight (or oldest); never a pinned or unfilled one."""
         if self._free:
             return self._free.pop()
+        if self._spare:
+            victim = self._spare.pop(next(iter(self._spare)))
+            del self._where[victim.record]
+            self.dropped += 1
+            return victim.index
         movable = [e for e in self._where.values() if e.pins == 0 and e.filled]
         if not movable:
             return None
-        spare = [e for e in movable if e.in_ring]
-        if spare:
-            victim = min(spare, key=lambda e: e.age)
-        elif self.weight is not None:
+        if self.weight is not None:
             weight = self.weight
             victim = min(movable, key=lambda e: (weight(e.record), e.age))
         else:
@@ -223,12 +243,15 @@ class HostTier:
             assert not used & set(self._free), "an image is both used and free"
             assert len(used) + len(self._free) == self.capacity, "an image went missing"
             assert all(e.pins >= 0 for e in self._where.values())
+            spare = {r for r, e in self._where.items() if e.in_ring and e.pins == 0 and e.filled}
+            assert spare == set(self._spare), "the spare index is stale"
 
     def close(self) -> None:
         """Drop the images (after the ring has closed: nothing is queued any more)."""
         with self._lock:
             self._images = []
             self._where.clear()
+            self._spare.clear()
             self._free = []
 
     def __repr__(self) -> str:
