@@ -11,7 +11,9 @@ physical limit for a budget is max(bytes missed per token / raw bandwidth, compu
 token): no engine can beat both the disk and the arithmetic. With host tiers
 (``host_tiers``, a staged ring), each budget runs once per tier size, and the limit adds
 the bytes copied up per token over the bus rate measured in the same run (copies up from
-host images into slots: ``HostTier.measure_bus``); copies down go the other way.
+host images into slots: ``HostTier.measure_bus``); copies down go the other way. Without
+``host_tiers`` no host tier runs (``host_memory=0``, where a GPU would get one by default):
+these benchmarks measure the disk's path unless asked.
 
 prefill: time to first token and prefill tok/s for prompts of several lengths at each
 budget, with the bytes read against the bytes of each layer's union over the whole prompt
@@ -74,7 +76,7 @@ async def bus_bandwidth(vault: Vault, **options: Any) -> tuple[float, int]:
     m = vault.manifest
     count = min(32, m.num_records - 1)
     opts = options | {"ring": "staged"}
-    async with Engine.open(vault.path, slots=count, **opts) as probe:
+    async with Engine.open(vault.path, slots=count, host_memory=0, **opts) as probe:
         image = image_layout(m.record, probe.dtype)[1]
     async with Engine.open(vault.path, slots=count, host_memory=count * image, **opts) as engine:
         tier = engine.debug.host_tier
@@ -156,7 +158,7 @@ async def bench_decode(
     for budget in budgets:
         slots = budget_slots(vault, budget)
         for tier in host_tiers or [None]:
-            host = None if tier is None else _tier_bytes(vault, tier, image_bytes)
+            host = 0 if tier is None else _tier_bytes(vault, tier, image_bytes)
             stats, steady, the_ring, direct, tier_stats = await _run(
                 vault,
                 slots,
@@ -286,12 +288,14 @@ async def bench_prefill(
     device: str | None = None,
     ring: str = "auto",
     schedules: list[str] | None = None,
+    host_memory: int | str = 0,
 ) -> dict[str, Any]:
     """Each (prompt length, budget, schedule) in a fresh engine: the first token's time and
     the prompt's bytes against the bytes of each layer's union over the whole prompt (what
     reading each expert once per layer and prompt reads). ``schedules``: "layer" (the
     engine's layer-major prefill, where the architecture allows it) and/or "chunk" (each
-    chunk through every layer, as before it)."""
+    chunk through every layer, as before it). ``host_memory``: the host tier (0: none, so
+    re-reads come from the disk; a GPU gets one by default elsewhere)."""
     vault = Vault.open(vault_path)
     stride = vault.manifest.record.stride
     lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
@@ -302,7 +306,14 @@ async def bench_prefill(
             slots = budget_slots(vault, budget)
             for schedule in schedules or ["layer"]:
                 run = await _prefill_once(
-                    vault, slots, prompt, workers, schedule == "layer", device=device, ring=ring
+                    vault,
+                    slots,
+                    prompt,
+                    workers,
+                    schedule == "layer",
+                    device=device,
+                    ring=ring,
+                    host_memory=host_memory,
                 )
                 stats, union = run["stats"], run["union_records"] * stride
                 rows.append(
