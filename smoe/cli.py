@@ -1,10 +1,12 @@
 """The `smoe` command line: the parser, the entry point and its exit codes. Each
 subcommand is a thin shell over the Python API, in smoe.commands.
 
-User mistakes (SmoeError) print one line and exit 2; Ctrl-C or SIGINT exit 130 after the
-running command has cleaned up after itself, SIGTERM likewise with 0 for `smoe serve`
-(its normal end) and 143 for a command that did not finish; a second signal during that
-cleanup exits at once (smoe.util.loop). SIGINT is handled however the
+Exit codes as other command-line tools have them: 2 for a command line that cannot be
+parsed (argparse prints the command's usage); 1 for a run that could not be done (a
+SmoeError: a refusal or a failure, printed as one line naming the fix); Ctrl-C or SIGINT
+exit 130 after the running command has cleaned up after itself, SIGTERM likewise with 0
+for `smoe serve` (its normal end) and 143 for a command that did not finish; a second
+signal during that cleanup exits at once (smoe.util.loop). SIGINT is handled however the
 process was started: a shell starts a background job (`&`, `nohup`) with SIGINT ignored,
 and `kill -INT` must still stop a backgrounded `smoe serve`.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 import smoe.util.loop
 from smoe.commands.bench import add_bench
+from smoe.commands.options import usage_errors_name_the_command
 from smoe.commands.plan import add_plan
 from smoe.commands.run import add_chat, add_generate, add_serve
 from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard, add_synth
@@ -61,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     add_shard(sub)
     add_plan(sub)
+    usage_errors_name_the_command(p)
     return p
 
 
@@ -111,11 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.argv = ["smoe", *argv]  # the command as typed (a benchmark's report records it)
+    command_parser = getattr(args, "command_parser", parser)
     # `smoe bench policy` parses its own options (smoe.bench.policy): it gets the rest.
     if getattr(args, "passthrough", False):
         args.rest = rest
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "settle", None) is not None:  # what one flag or positional stands for
+        args.settle(args, command_parser)
     if getattr(args, "memory", None) is not None:
         # --memory is the process's promise: bound what malloc keeps beside what is in
         # use before MLX, mlx-lm and the engine start threads (smoe.util.allocator).

@@ -10,7 +10,9 @@ import errno as _errno
 class SmoeError(Exception):
     """A mistake or condition the user can fix; the message says how."""
 
-    exit_code = 2
+    # A run that could not be done exits 1, as other tools' do; 2 is argparse's, for a
+    # command line that cannot be parsed.
+    exit_code = 1
 
 
 class BudgetTooSmall(SmoeError):

@@ -526,7 +526,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m smoe.bench.po
         report["locality"] = bench_locality(archive, phase=None if every else DECODE)["headline"]
         print(json.dumps(report["locality"]))
     print(json.dumps(report["trace"]))
-    print(format_table(report))
+    print(format_table(report), file=sys.stderr)  # stdout is JSON lines, for scripts
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:

@@ -26,13 +26,14 @@ from smoe.errors import SmoeError
 from smoe.util.sizes import format_bytes
 
 HELP = """commands:
-  /reset            forget the conversation (keeps the system prompt)
-  /system TEXT      set the system prompt and start over
+  /reset, /clear    forget the conversation (keeps the system prompt)
+  /system TEXT      set the system prompt and start over (also /set system TEXT: the
+                    turns so far were computed after the old one)
   /stats            details of the last reply and of the expert ring
   /save FILE        save the conversation (history + KV cache)
   /load FILE        load a saved conversation
   /help             this text
-  /quit             leave (or Ctrl-D)
+  /quit, /bye       leave (or Ctrl-D)
 Enter sends; Alt-Enter (Esc, Enter) adds a line; Ctrl-C stops a reply."""
 
 
@@ -94,6 +95,9 @@ class ChatApp:
         self._history = history or InMemoryHistory()
         self._session_kwargs = session_kwargs or {}
         self.on_token: Callable[[int], None] | None = None  # tests hook in here
+        # The last reply was cancelled: it has no figures, and the conversation's last
+        # ones are the reply's before it, not to be shown as this one's.
+        self._cancelled = False
 
     def say(self, text: str = "") -> None:
         self.out.write(text + "\n")
@@ -103,6 +107,8 @@ class ChatApp:
         s = self.conv.last_stats
         now = self.engine.stats()
         ring = f"ring {now.ring.filled}/{now.ring.slots}"
+        if self._cancelled:
+            return f" {ring}  ·  reply cancelled"
         if s is None:
             return f" {ring}  ·  /help for commands"
         return (
@@ -182,9 +188,11 @@ class ChatApp:
                 if handler:
                     loop.remove_signal_handler(signal.SIGINT)
         if scope.cancelled_caught:
+            self._cancelled = True
             self.say("\n[reply cancelled]")
 
     async def _stream(self, text: str) -> None:
+        self._cancelled = False
         async for event in self.conv.send(text, **self.sampling):
             if event.text:
                 self.out.write(event.text)
@@ -199,11 +207,16 @@ class ChatApp:
         name, _, arg = line.partition(" ")
         arg = arg.strip()
         try:
-            if name in ("/quit", "/exit"):
+            if name in ("/quit", "/exit", "/bye"):  # /bye: ollama's
                 return False
+            if name == "/set":  # ollama's `/set system TEXT`; its other settings are not ours
+                what, _, arg = arg.partition(" ")
+                if what != "system" or not arg.strip():
+                    raise SmoeError("usage: /set system TEXT")
+                name, arg = "/system", arg.strip()
             if name == "/help":
                 self.say(HELP)
-            elif name == "/reset":
+            elif name in ("/reset", "/clear"):  # /clear: ollama's
                 self.conv.reset()
                 self.say("[conversation reset]")
             elif name == "/system":
@@ -220,6 +233,7 @@ class ChatApp:
                 if not arg:
                     raise SmoeError("usage: /load FILE")
                 self.conv = await self.engine.load_conversation(_expand(arg))
+                self._cancelled = False
                 self.say(
                     f"[loaded {len(self.conv.messages)} messages, {len(self.conv.tokens)} tokens]"
                 )
@@ -241,9 +255,12 @@ class ChatApp:
             f"read {format_bytes(st.bytes_read())} in total",
             f"compute: {now.compute_dtype_note} by {now.arithmetic}",
         ]
+        if self._cancelled:
+            lines.append("last reply: cancelled, so no figures; the one before it:")
         if s is not None:
+            label = "  " if self._cancelled else "last reply: "
             lines.append(
-                f"last reply: {s.generated_tokens} tokens; prompt {s.prompt_tokens} tokens, "
+                f"{label}{s.generated_tokens} tokens; prompt {s.prompt_tokens} tokens, "
                 f"{s.prefilled_tokens} prefilled (the rest reused); first token {s.ttft_s:.2f} s; "
                 f"decode {s.decode_tok_s:.2f} tok/s; hit rate {100 * s.hit_rate:.0f}%; "
                 f"read {format_bytes(s.bytes_read)}; I/O wait {100 * s.decode_io_wait_share:.0f}% "

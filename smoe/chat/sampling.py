@@ -25,13 +25,20 @@ def _number(config: dict[str, Any], key: str, low: float, high: float, default: 
 
 def suggested_sampling(model_dir: Path) -> dict[str, float]:
     """{'temperature', 'top_p'} from model_dir/generation_config.json; greedy when absent."""
+    return sampling_and_origin(model_dir)[0]
+
+
+def sampling_and_origin(model_dir: Path) -> tuple[dict[str, float], str]:
+    """``suggested_sampling`` and where it came from, in words for the start line: the
+    model's own suggestion only where its generation_config.json asks to sample."""
     try:
         config = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return dict(GREEDY)
+        return dict(GREEDY), "greedy: the model suggests none, having no generation_config.json"
     if not isinstance(config, dict) or config.get("do_sample") is not True:
-        return dict(GREEDY)
-    return {
+        return dict(GREEDY), "greedy: the model's generation_config.json does not sample"
+    suggested = {
         "temperature": _number(config, "temperature", 0.0, 10.0, 1.0),
         "top_p": _number(config, "top_p", 0.0, 1.0, 1.0) or 1.0,
     }
+    return suggested, "the model's suggestion, from its generation_config.json"

@@ -34,7 +34,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from smoe.vault.hub import resolve_model
 
-    plan = run(make_plan(resolve_model(args.model), options))  # a folder, or a Hub name
+    model = resolve_model(args.model, offers_download=False)  # a folder, or a Hub name
+    plan = run(make_plan(model, options))
     print(json.dumps(plan, indent=1) if args.json else render(plan))
     return 0 if plan["fits"] else 1  # a script can tell a budget that does not fit
 
@@ -55,17 +56,27 @@ def render(plan: dict[str, Any]) -> str:
     from smoe.util.sizes import format_bytes
 
     e = plan["experts"]
+    slot, record = format_bytes(e["slot_bytes"]), format_bytes(e["record_bytes"])
+    # The slot is what the ring allocates per expert (all_bytes is records x it); a staged
+    # ring's holds the record in the compute dtype, so it may differ from the record on disk.
+    each = f"{slot} each" if slot == record else f"{slot} a slot ({record} a record on disk)"
     rows = [
         ("model", f"{plan['model']} ({KINDS[plan['kind']]})"),
         ("device", f"{plan['device']}, {plan['dtype']}, {plan['ring']} ring"),
         (
             "experts",
             f"{e['records']} = {e['moe_layers']} layers x {e['per_layer']} (top-{e['top_k']}), "
-            # The slot, what the ring allocates per expert: all_bytes is records x it.
-            f"{format_bytes(e['slot_bytes'])} each, {format_bytes(e['all_bytes'])} in all",
+            f"{each}, {format_bytes(e['all_bytes'])} in all",
         ),
-        ("smallest memory", plan["smallest_memory"]),
-        ("every expert", plan["memory_for_every_expert"]),
+        (
+            "smallest memory",
+            f"{plan['smallest_memory']} (at a {plan['smallest_memory_context']}-token context)",
+        ),
+        (
+            "every expert",
+            f"{plan['memory_for_every_expert']} (at a {plan['every_expert_context']}-token "
+            "context)",
+        ),
         ("context limit", f"{plan['context_limit']} tokens at this budget"),
     ]
     if not plan["fits"]:
@@ -134,8 +145,10 @@ def add_plan(sub: Any) -> None:
     add_device(p)
     add_dtype(p)
     p.add_argument(
+        "-c",
         "--max-context",
         "--context",
+        "--ctx-size",
         dest="context",
         type=int,
         default=None,

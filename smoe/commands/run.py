@@ -12,7 +12,15 @@ from typing import Any
 
 import aiofiles.os
 
-from smoe.commands.options import add_device, add_dtype, add_host_memory, add_workers
+from smoe.commands.options import (
+    add_device,
+    add_dtype,
+    add_host_memory,
+    add_model,
+    add_workers,
+    settle_chat,
+    settle_generate,
+)
 from smoe.errors import SmoeError
 from smoe.plan.budget import KV_BITS
 from smoe.util import blas
@@ -39,7 +47,9 @@ async def _generate(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
 
     if (args.prompt is None) == (args.prompt_ids is None):
-        raise SmoeError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+        raise SmoeError(
+            'give exactly one of --prompt TEXT (or -p TEXT, or MODEL "TEXT") or --prompt-ids 1,2,3'
+        )
     if args.prompt_ids is not None and args.system_prompt is not None:
         raise SmoeError("--system-prompt goes with --prompt TEXT (the chat template), not ids")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt  # "-": mlx-lm's stdin
@@ -64,7 +74,7 @@ async def _generate(args: argparse.Namespace) -> int:
             stats["preload_s"] = preload_s  # --preload: every expert read before the prompt
         stats["cpu_blas"] = blas.in_use()  # MLX's bundled BLAS, or SMOE_CPU_BLAS's
         stats["ring_bytes"] = now.ring.nbytes
-        stats["slot_bytes"] = now.ring.slot_bytes  # the figure inspect and plan print
+        stats["slot_bytes"] = now.ring.slot_bytes  # the slot plan and the start line print
         if now.draft is not None:
             stats["draft"] = now.draft  # passes, acceptance
         if args.routing_archive:
@@ -187,7 +197,7 @@ async def _chat(args: argparse.Namespace) -> int:
 
     from smoe.chat.demo import demo_vault
     from smoe.chat.repl import ChatApp, history_file
-    from smoe.chat.sampling import suggested_sampling
+    from smoe.chat.sampling import sampling_and_origin
     from smoe.engine import Engine
 
     start = time.perf_counter()
@@ -195,7 +205,7 @@ async def _chat(args: argparse.Namespace) -> int:
     vault = None if args.vault is None else resolve_model(args.vault, download=args.download)
     if vault is None:
         vault = demo_vault(progress=lambda msg: print(msg, file=sys.stderr))
-    suggested = suggested_sampling(Path(vault))  # generation_config.json's, else greedy
+    suggested, origin = sampling_and_origin(Path(vault))  # generation_config's, else greedy
     temperature = suggested["temperature"] if args.temp is None else args.temp
     top_p = suggested["top_p"] if args.top_p is None else args.top_p
     _check_sampling(temperature, top_p, args.max_tokens)  # before loading, not every turn
@@ -206,8 +216,7 @@ async def _chat(args: argparse.Namespace) -> int:
         print(
             f"loaded {vault} in {time.perf_counter() - start:.1f} s; computing in "
             f"{_dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
-            f"{top_p:g}"
-            + (" (the model's suggestion)" if args.temp is None and args.top_p is None else ""),
+            f"{top_p:g}" + (f" ({origin})" if args.temp is None and args.top_p is None else ""),
             file=sys.stderr,
         )
         await _warm_up(engine, args, temperature=temperature, top_p=top_p, seed=args.seed)
@@ -281,6 +290,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from smoe.engine import Engine
     from smoe.serve.app import ServerOptions, serve
     from smoe.serve.intake import MIN_REQUEST_MEMORY, serve_reserve
+    from smoe.serve.listener import base_urls
 
     _log_to_stderr(args.log_level)
     api_key, guard = serve_guard(args)
@@ -343,8 +353,8 @@ async def _serve(args: argparse.Namespace) -> int:
         def ready(port: int) -> None:
             base = f"http://{args.host}:{port}"
             print(
-                f"serving {vault} on {base}: OpenAI {base}/v1, Anthropic {base}/v1/messages, "
-                f"Ollama {base}/api; computing in {_dtype_note(engine)}",
+                f"serving {vault} on {base} ({base_urls(base)}); "
+                f"computing in {_dtype_note(engine)}",
                 file=sys.stderr,
             )
 
@@ -486,6 +496,15 @@ def _download_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _verbose_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="accepted as ollama's and mlx-lm's: the timings and the memory's division are "
+        "printed on stderr anyway (default)",
+    )
+
+
 def _warm_up_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warm-up",
@@ -522,7 +541,9 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     )
     add_host_memory(p)
     p.add_argument(
+        "-c",
         "--max-context",
+        "--ctx-size",
         type=int,
         default=None,
         metavar="TOKENS",
@@ -628,17 +649,27 @@ def _speculation_options(g: Any) -> None:
 def add_generate(sub: Any) -> None:
     """`smoe generate` and its options."""
     g = sub.add_parser("generate", help="generate text from a prompt, streaming experts")
-    g.add_argument(
-        "vault",
-        type=Path,
+    add_model(
+        g,
         help="a vault, a downloaded checkpoint folder, or a Hub name (org/name) in the "
         "Hugging Face cache",
+        default="no default: this or -m",
     )
     g.add_argument(
+        "prompt_text",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt, as ollama run takes it: the same as --prompt (no default: this, "
+        "--prompt or --prompt-ids)",
+    )
+    g.add_argument(
+        "-p",
         "--prompt",
         default=None,
         help="prompt text, sent through the model's chat template as a user message (as "
-        "mlx-lm does); - reads it from standard input (no default: this or --prompt-ids)",
+        "mlx-lm does); - reads it from standard input (no default: this, PROMPT or "
+        "--prompt-ids)",
     )
     g.add_argument(
         "--prompt-ids",
@@ -655,10 +686,18 @@ def add_generate(sub: Any) -> None:
         help="tokenize the prompt text as it is, without the chat template",
     )
     g.add_argument(
-        "--max-tokens", type=int, default=128, help="most tokens to generate (default 128)"
+        "-n",
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="most tokens to generate (default 128)",
     )
     g.add_argument(
-        "--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+        "--temp",
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy)",
     )
     g.add_argument(
         "--top-p",
@@ -706,28 +745,30 @@ def add_generate(sub: Any) -> None:
         default=16,
         help="with --routing-archive: gate ranks kept per decision (default 16)",
     )
+    _verbose_option(g)
     _download_option(g)
     _memory_option(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, settle=settle_generate)
 
 
 def add_chat(sub: Any) -> None:
     """`smoe chat` and its options."""
-    ch = sub.add_parser("chat", help="chat with a model (the built-in demo without VAULT)")
-    ch.add_argument(
-        "vault",
-        type=Path,
-        nargs="?",
-        default=None,
-        help="vault or downloaded checkpoint folder (default: the built-in demo, made on "
-        "first use)",
+    ch = sub.add_parser("chat", help="chat with a model (the built-in demo without MODEL)")
+    add_model(
+        ch,
+        help="a vault, a downloaded checkpoint folder, or a Hub name (org/name) in the "
+        "Hugging Face cache",
+        default="default: the built-in demo, made on first use",
     )
-    ch.add_argument("--system", default=None, help="system prompt (default: none)")
     ch.add_argument(
-        "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)"
+        "--system", "--system-prompt", default=None, help="system prompt (default: none)"
+    )
+    ch.add_argument(
+        "-n", "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)"
     )
     ch.add_argument(
         "--temp",
+        "--temperature",
         type=float,
         default=None,
         help="sampling temperature (default: the model's generation_config, else 0: greedy)",
@@ -741,9 +782,10 @@ def add_chat(sub: Any) -> None:
     )
     _seed_option(ch)
     _warm_up_option(ch)
+    _verbose_option(ch)
     _download_option(ch)
     _memory_option(ch)
-    ch.set_defaults(func=cmd_chat)
+    ch.set_defaults(func=cmd_chat, settle=settle_chat)
 
 
 def add_serve(sub: Any) -> None:

@@ -76,18 +76,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
     m = vault.manifest
     src_bytes = m.source["bytes"]
     print(
-        f"wrote {vault.path}: {m.num_records} expert records in slots of "
-        f"{format_bytes(m.record.stride)}, backbone {format_bytes(m.backbone['bytes'])}, in "
+        f"wrote {vault.path}: {m.num_records} expert records of "
+        f"{format_bytes(m.record.stride)} on disk, backbone {format_bytes(m.backbone['bytes'])}, in "
         f"{seconds:.1f} s ({src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source)"
     )
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from smoe.vault.hub import resolve_model
     from smoe.vault.inspect import render, summary, verify_files
     from smoe.vault.source import open_model
 
-    vault = open_model(args.vault)  # a vault, or a download streamed from its shards
+    # A vault, or a download streamed from its shards; a Hub name is its cached snapshot.
+    vault = open_model(resolve_model(args.vault, offers_download=False))
     if not vault.has_checksums and args.verify:
         raise SmoeError(
             f"{vault.path} is a download: it has no checksums to verify; 'smoe convert' "

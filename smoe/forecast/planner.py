@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 from smoe.errors import BudgetTooSmall, SmoeError
-from smoe.forecast.probe import probe_compute, recorded_compute
+from smoe.forecast.probe import PROBE_TOKENS, probe_compute, recorded_compute
 from smoe.forecast.speed import Shape, forecast, routing_probabilities
 from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
 from smoe.models.registry import layer_major_prefill
@@ -30,6 +30,7 @@ from smoe.plan.budget import (
     BudgetParts,
     backbone_bytes,
     budget_parts_for,
+    default_contexts,
     fit,
     pass_bytes,
     pass_tokens,
@@ -278,7 +279,11 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         ring = None
     needs = _needs(subject, o, dtype, kind, context, device)
     fixed = needs.fixed
-    smallest = fixed + s.top_k * per_slot
+    # Both figures at fixed contexts, not the one this --memory got (the default halves
+    # to fit it): the smallest the run commands accept, and every expert at the default.
+    contexts = [context] if o.context is not None else default_contexts(attn.max_context)
+    smallest = _needs(subject, o, dtype, kind, contexts[-1], device).fixed + s.top_k * per_slot
+    every_fixed = _needs(subject, o, dtype, kind, contexts[0], device).fixed
     if o.memory is not None:
         memory = _parse(o.memory)
     elif ring is not None:  # the engine's default ring, and the process around it
@@ -294,7 +299,9 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         "experts": _experts(s, per_slot),
         "smallest_memory_bytes": smallest,
         "smallest_memory": suggest_at_least(smallest),
-        "memory_for_every_expert": suggest_at_least(fixed + every),
+        "smallest_memory_context": contexts[-1],
+        "memory_for_every_expert": suggest_at_least(every_fixed + every),
+        "every_expert_context": contexts[0],
         "context_limit": context_limit(
             lambda c: _needs(subject, o, dtype, kind, c, device),
             s.top_k,
@@ -374,9 +381,10 @@ async def _compute(
         return recorded | {"recorded": True}
     if o.progress is not None:
         o.progress(
-            f"measuring compute on this {device} for the forecast ({o.probe_requests} "
-            "requests; recorded for the next plan of this vault and ring; --no-compute "
-            "skips it) ..."
+            f"measuring compute on this {device} for the forecast: a warm-up request, then "
+            f"{o.probe_requests}, each a {o.probe_chunks * o.prefill_chunk + 1}-token prompt "
+            f"and {PROBE_TOKENS + 1} tokens decoded (recorded for the next plan of this vault "
+            "and ring; --no-compute skips it, Ctrl-C stops it) ..."
         )
     return await probe_compute(
         vault,
@@ -386,7 +394,9 @@ async def _compute(
         disk_gbps=disk["gbps"],
         workers=o.io_workers,
         requests=o.probe_requests,
+        tokens=PROBE_TOKENS,
         chunks=o.probe_chunks,
+        progress=o.progress,
     )
 
 

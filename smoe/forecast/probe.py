@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 from smoe.io.disk_probe import read_json_object
@@ -20,6 +21,7 @@ from smoe.util.files import file_lock, write_json_atomic
 from smoe.vault.format import Vault
 
 COMPUTE_FILE = "compute.json"
+PROBE_TOKENS = 6  # decoded tokens a probe request measures (one more is generated)
 
 
 def compute_key(device: str, dtype: str, slots: int) -> str:
@@ -42,14 +44,16 @@ async def probe_compute(
     disk_gbps: float,
     workers: int = 4,
     requests: int = 4,
-    tokens: int = 6,
+    tokens: int = PROBE_TOKENS,
     chunks: int = 2,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Compute per decode token and per prefill token on ``device`` with a ring of
     ``slots`` (module docstring), recorded in the vault. A ring of every expert is filled
     first: its figures are the resident rate (device tables, no host round trip). Opens
-    an engine (SmoeError as Engine.open)."""
+    an engine (SmoeError as Engine.open). ``progress`` is told, after the warm-up
+    request, how long the measured ones should take (each about as long as it)."""
     from smoe.engine import Engine
     from smoe.forecast.workload import fill_ring, random_prompt
 
@@ -68,8 +72,15 @@ async def probe_compute(
         for i in range(requests + 1):  # the first warms the ring and compiles: not counted
             prompt = random_prompt(vault, chunks * chunk + 1, seed + i)
             stats = None
+            start = time.perf_counter()
             async for ev in engine.generate(prompt, max_tokens=tokens + 1, stop_at_eos=False):
                 stats = ev.stats or stats
+            if i == 0 and progress is not None:  # it compiled too: the estimate errs long
+                took = time.perf_counter() - start
+                progress(
+                    f"the warm-up request took {took:.1f} s: about {requests * took:.0f} s "
+                    f"more for the {requests} measured"
+                )
             if i == 0 or stats is None or not stats.decode_tok_s:
                 continue
             # a staged ring's copies happen inside the waits, but they are the compute

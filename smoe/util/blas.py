@@ -47,7 +47,9 @@ def reexec_args(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[s
         return None
     new_env = {**env, "LD_PRELOAD": " ".join([str(path), *_preloaded(env)])}
     code = "import sys; sys.argv[0] = 'smoe'; from smoe.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", code, *argv], new_env
+    # -P: `-c` would put the current directory first on sys.path, and a `smoe/` folder
+    # there (e.g. a clone's parent) would be imported instead of the installed package.
+    return [sys.executable, "-P", "-c", code, *argv], new_env
 
 
 def in_use(env: dict[str, str] | None = None) -> str:

@@ -27,10 +27,11 @@ def looks_like_repo_id(text: str) -> bool:
     return bool(_REPO_ID.match(text)) and ".." not in text and not text.endswith(".")
 
 
-def resolve_model(arg: Path | str, download: bool = False) -> Path:
+def resolve_model(arg: Path | str, download: bool = False, offers_download: bool = True) -> Path:
     """``arg`` if it exists; else, for a Hub id, its snapshot in the local cache
     (downloaded first with ``download``). Raises SmoeError naming the fix when it is not
-    there; other paths are returned as given (the caller reports them missing)."""
+    there (``--download`` only where the command has it: ``offers_download``); other
+    paths are returned as given (the caller reports them missing)."""
     path = Path(arg)
     text = str(arg)
     if path.exists() or not looks_like_repo_id(text):
@@ -42,16 +43,23 @@ def resolve_model(arg: Path | str, download: bool = False) -> Path:
     _check_ref(repo, text, commit=not download)  # a download writes a new one
     try:
         snapshot = Path(snapshot_download(text, local_files_only=not download))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
+        if download:  # asked for, and the Hub could not be reached (or HF_HUB_OFFLINE=1)
+            raise SmoeError(
+                f"could not download {text} from the Hugging Face Hub: {_one_line(e)}; "
+                f"check the network, or download it elsewhere with 'hf download {text}'"
+            ) from None
+        also = ", or add --download" if offers_download else " first"
         raise SmoeError(
             f"{text} is not a folder here, nor downloaded in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); download it with 'hf download {text}', or add "
-            "--download"
+            f"({constants.HF_HUB_CACHE}); download it with 'hf download {text}'{also}"
         ) from None
     except HFValidationError as e:
-        raise SmoeError(f"{text} is not a folder here, nor a Hub name: {e}") from None
+        raise SmoeError(f"{text} is not a folder here, nor a Hub name: {_one_line(e)}") from None
     except OSError as e:  # a download that failed: the network, the disk, a 404
-        raise SmoeError(f"could not download {text} from the Hugging Face Hub: {e}") from None
+        raise SmoeError(
+            f"could not download {text} from the Hugging Face Hub: {_one_line(e)}"
+        ) from None
     # The cache is a folder anyone sharing it can write: its snapshot must be one of the
     # repository's, not wherever a crafted ref or a link points.
     try:
@@ -65,6 +73,11 @@ def resolve_model(arg: Path | str, download: bool = False) -> Path:
             f"and download {text} again"
         )
     return snapshot
+
+
+def _one_line(e: Exception) -> str:
+    """The hub library's message, which spans lines, as one (an error is one line)."""
+    return " ".join(str(e).split())
 
 
 def _check_ref(repo: Path, text: str, commit: bool) -> None:

@@ -18,11 +18,14 @@ from smoe.vault.names import BACKBONE_FILE, CONFIG_FILE
 def summary(vault: Vault) -> dict[str, Any]:
     """The facts `smoe inspect --json` prints."""
     m = vault.manifest
+    # A download's manifest is made in memory (smoe.vault.source): its format is the
+    # folder's, a Hugging Face or an MLX checkpoint, and no vault format or producer.
+    download = bool(vault.streamed())
     return {
         "path": str(vault.path),
-        "format": m.format,
-        "version": m.version,
-        "producer": m.producer,
+        "format": f"{m.source.get('kind', 'hf')}-checkpoint" if download else m.format,
+        "version": None if download else m.version,
+        "producer": None if download else m.producer,
         "created": m.created,
         "source": m.source,
         "topology": m.topology,
@@ -69,8 +72,9 @@ def render(info: dict[str, Any]) -> str:
         f"{t['expert_kind']} hidden {t['expert_hidden_size']}, "
         f"{len(t['moe_layers'])} MoE layers, shared experts {t['shared_experts']}",
         f"quantized  experts: {quant(q.get('experts'))}; backbone: {quant(q.get('backbone'))}",
-        # The slot a unified ring gives a record: its stride, as plan and the run commands say.
-        f"records    {r['count']} x {format_bytes(r['stride'])} slots "
+        # On disk: a ring slot in memory may differ (a staged ring holds the record in the
+        # compute dtype), and `smoe plan` and the run commands name that one as the slot.
+        f"records    {r['count']} x {format_bytes(r['stride'])} on disk "
         f"({r['size']} bytes of data each, then padding for direct reads)",
         f"sizes      experts {format_bytes(info['experts_bytes'])}, backbone "
         f"{format_bytes(info['backbone_bytes'])}, total {format_bytes(info['total_bytes'])}",

@@ -100,6 +100,34 @@ def test_suggested_sampling_reads_generation_config_and_ignores_bad_values(tmp_p
     assert suggested_sampling(tmp_path) == GREEDY
 
 
+def test_the_start_line_says_where_the_sampling_came_from(tmp_path, run_cli, monkeypatch):
+    """The start line says "the model's suggestion" only where generation_config.json asks
+    to sample; greedy decoding by default is named as such (it was labelled so too)."""
+    import io
+
+    from smoe.synth import synthesize
+    from smoe.vault.convert import ConvertOptions, convert
+    from tests.conftest import rewrite_side_file
+
+    src = synthesize(tmp_path / "src", arch="qwen3_moe", preset="tiny", seed=52)
+    (src / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    vault = convert(src, tmp_path / "v", ConvertOptions(dtype="float32")).path
+    said = []
+    for config in ({"do_sample": True, "temperature": 0.6}, {"do_sample": False}, None):
+        data = None if config is None else json.dumps(config).encode()
+        rewrite_side_file(vault, "generation_config.json", data)  # as a source with it
+        monkeypatch.setattr("sys.stdin", io.StringIO(""))  # piped, and at its end at once
+        code, _, err = run_cli("chat", vault, "--no-warm-up")
+        assert code == 0, err
+        said.append(next(line for line in err.splitlines() if "sampling at" in line))
+    assert said[0].endswith(
+        "temperature 0.6, top_p 1 (the model's suggestion, from its generation_config.json)"
+    )
+    assert said[1].endswith("(greedy: the model's generation_config.json does not sample)")
+    none = "(greedy: the model suggests none, having no generation_config.json)"
+    assert said[2].endswith(f"temperature 0, top_p 1 {none}")
+
+
 def test_piped_chat_is_plain_lines(tmp_path):
     """Standard input that is not a terminal: each line a message, each reply a line on
     stdout, with no prompt, status bar or terminal codes (it filled the output before)."""

@@ -1,4 +1,4 @@
-"""Bad input through the CLI: one line naming the problem and the fix, exit 2, no
+"""Bad input through the CLI: one line naming the problem and the fix, exit 1, no
 traceback, nothing half-written."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 from tests.conftest import edit_json, make_hf_checkpoint
 
 
-def assert_clean_error(code: int, err: str, *needles: str) -> None:
-    assert code == 2, err
+def assert_clean_error(code: int, err: str, *needles: str, exit_code: int = 1) -> None:
+    """One line, no traceback, exit 1 (2: argparse's refusal of the command line)."""
+    assert code == exit_code, err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
@@ -142,7 +143,7 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert "Traceback" not in r.stderr and "not a directory" in r.stderr
 
 
@@ -159,11 +160,12 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     ],
 )
 def test_bench_policy_bad_input(run_cli, capsys, args, needle):
+    usage = 1
     try:
         code, _, err = run_cli("bench", "policy", *args)
     except SystemExit as e:  # argparse's own errors: usage line, then the error line
-        code, err = int(e.code or 0), capsys.readouterr().err.splitlines()[-1]
-    assert_clean_error(code, err, needle)
+        code, err, usage = int(e.code or 0), capsys.readouterr().err.splitlines()[-1], 2
+    assert_clean_error(code, err, needle, exit_code=usage)
 
 
 def test_bench_policy_help_names_the_command(run_cli, capsys):
@@ -190,7 +192,7 @@ def test_an_unknown_option_is_refused(run_cli):
     ],
 )
 def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, needle):
-    """Before loading (not at every turn, as `chat --top-p 2` was): one line, exit 2."""
+    """Before loading (not at every turn, as `chat --top-p 2` was): one line, exit 1."""
     code, _, err = run_cli(*argv)
     assert_clean_error(code, err, needle)
 
@@ -213,7 +215,7 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
     ],
 )
 def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):
-    """Issue 30: before loading anything, one line, exit 2."""
+    """Issue 30: before loading anything, one line, exit 1."""
     code, _, err = run_cli(*argv)
     assert_clean_error(code, err, needle)
 
@@ -242,4 +244,4 @@ def test_an_error_under_json_is_json_on_stdout_too(run_cli, tmp_path):
     code, out, err = run_cli("generate", tmp_path / "nothing", "--prompt-ids", "5", "--json")
     assert_clean_error(code, err, "nothing")
     got = json.loads(out)
-    assert got["exit_code"] == 2 and "nothing" in got["error"] and got["type"].endswith("Error")
+    assert got["exit_code"] == 1 and "nothing" in got["error"] and got["type"].endswith("Error")

@@ -1,5 +1,6 @@
 """Sizes as the commands print them (issue 28): progress bars that count bytes show bytes,
-and one vault's slot size is one figure in every command."""
+and one vault's slot size is one figure in every command, its record's on disk another
+where they differ, each named as what it is (issue 51)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,25 @@ def source(tmp_path_factory):
     return synthesize(tmp_path_factory.mktemp("sizes") / "src", preset="tiny", seed=28)
 
 
+SIZE = r"(\S+ [KMGT]?B)"
+
+
 def _slot_figures(text: str) -> list[str]:
     """Every slot size a command's output states, by the words each command uses."""
     patterns = (
-        r"records in slots of (\S+ [KMGT]?B)",  # convert
-        r"records +\d+ x (\S+ [KMGT]?B) slots",  # inspect
-        r"\(top-\d+\), (\S+ [KMGT]?B) each",  # plan
-        r"= \d+ experts x (\S+ [KMGT]?B)",  # the --memory line of plan, generate, chat, serve
+        rf"\(top-\d+\), {SIZE} (?:each|a slot)",  # plan
+        rf"= \d+ experts x {SIZE}",  # the --memory line of plan, generate, chat, serve
+    )
+    return [m for p in patterns for m in re.findall(p, text)]
+
+
+def _record_figures(text: str) -> list[str]:
+    """Every record size (on disk) a command's output states."""
+    patterns = (
+        rf"expert records of {SIZE} on disk",  # convert
+        rf"records +\d+ x {SIZE} on disk",  # inspect
+        rf"\(top-\d+\), {SIZE} each",  # plan, where the slot is the record
+        rf"a slot \({SIZE} a record on disk\)",  # plan, where they differ
     )
     return [m for p in patterns for m in re.findall(p, text)]
 
@@ -74,7 +87,36 @@ def test_one_vault_one_slot_size_in_every_command(source, tmp_path, run_cli, mon
     code, _, outputs["generate"] = run_cli(*generate, "--memory", "400MB")
     assert code == 0
     for command, text in outputs.items():
-        figures = _slot_figures(text)
+        figures = _slot_figures(text) + _record_figures(text)
         assert figures and set(figures) == {format_bytes(stride)}, (command, text)
     code, out, _ = run_cli(*generate, "--json")
     assert code == 0 and json.loads(out)["stats"]["slot_bytes"] == stride
+
+
+def test_a_slot_unlike_its_record_is_named_as_each(source, tmp_path, run_cli, monkeypatch):
+    """bfloat16 scales on a float32 CPU: the staged ring's slot holds the record widened,
+    so the slot and the record on disk are two figures, each named as what it is (a slot
+    of 2.95 MB beside a record of 2.65 MB read as one size, issue 51)."""
+    from smoe.util.sizes import format_bytes
+    from smoe.vault.format import Vault
+
+    monkeypatch.setenv("SMOE_CACHE", str(tmp_path / "cache"))
+    vault = tmp_path / "v"
+    code, converted, _ = run_cli("convert", source, vault, "--dtype", "bfloat16", "--quiet")
+    assert code == 0
+    record = format_bytes(Vault.open(vault).manifest.record.stride)
+    code, inspected, _ = run_cli("inspect", vault)
+    assert code == 0
+    plan = ("plan", vault, "--no-compute", "--probe-seconds", "0.2", "--memory", "400MB")
+    code, out, _ = run_cli(*plan, "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["ring"] == "staged"
+    slot = format_bytes(json.loads(out)["experts"]["slot_bytes"])
+    assert slot != record
+    code, planned, _ = run_cli(*plan, "--device", "cpu")
+    generate = ("generate", vault, "--prompt-ids", "1,2", "--max-tokens", "1", "--device", "cpu")
+    code, _, started = run_cli(*generate, "--memory", "400MB")
+    assert code == 0
+    for text in (converted, inspected, planned):
+        assert set(_record_figures(text)) == {record}, text
+    for text in (planned, started):
+        assert set(_slot_figures(text)) == {slot}, text

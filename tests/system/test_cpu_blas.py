@@ -31,11 +31,15 @@ def mlx_bundled_blas() -> Path:
     return found[0]
 
 
-def smoe(*args: str, blas: str | None = None) -> subprocess.CompletedProcess[str]:
+def smoe(
+    *args: str, blas: str | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SMOE_CPU_BLAS", "LD_PRELOAD")}
     if blas is not None:
         env["SMOE_CPU_BLAS"] = blas
-    return subprocess.run([SMOE, *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [SMOE, *args], env=env, capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
 def generate(blas: str | None = None) -> dict:
@@ -49,7 +53,7 @@ def generate(blas: str | None = None) -> dict:
 
 def test_a_path_that_is_not_a_file_is_one_line_naming_the_fix():
     r = smoe("generate", str(demo_vault()), "--prompt-ids", "5", blas="/nowhere/libopenblas.so.0")
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "SMOE_CPU_BLAS=/nowhere/libopenblas.so.0 is not a file" in r.stderr
     assert "libopenblas0-pthread" in r.stderr and r.stdout == ""
@@ -62,6 +66,21 @@ def test_the_library_is_preloaded_once_and_reported():
     assert plain["stats"]["cpu_blas"] == BUNDLED
     assert preloaded["stats"]["cpu_blas"] == str(lib)
     assert preloaded["tokens"] == plain["tokens"]
+
+
+def test_the_reexec_imports_the_installed_package_from_any_folder(tmp_path):
+    """Run from a folder holding a `smoe/` folder (a clone's parent, say), the re-executed
+    process still imports the installed smoe, not the folder's."""
+    lib = mlx_bundled_blas()
+    (tmp_path / "smoe").mkdir()
+    (tmp_path / "smoe" / "__init__.py").write_text("raise ImportError('the decoy smoe')\n")
+    r = smoe(
+        "generate", str(demo_vault()), "--prompt-ids", "5,6", "--max-tokens", "2",
+        "--device", "cpu", "--json", blas=str(lib), cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "decoy" not in r.stderr and "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["stats"]["cpu_blas"] == str(lib)
 
 
 @pytest.mark.skipif(not OPENBLAS.exists(), reason="needs Debian's libopenblas0-pthread")

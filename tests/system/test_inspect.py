@@ -32,6 +32,17 @@ def test_json_summary(vault, run_cli):
     assert info["quantization"]["experts"]["bits"] == 4
 
 
+def test_json_names_a_download_as_what_it_is(vault, hf_dir, run_cli):
+    """A checkpoint folder was reported as "format": "smoe-vault" (issue 51)."""
+    code, out, _ = run_cli("inspect", hf_dir("qwen2_moe"), "--json")
+    info = json.loads(out)
+    assert code == 0 and info["format"] == "hf-checkpoint" and info["producer"] is None
+    assert info["version"] is None and "streamed" in info
+    code, out, _ = run_cli("inspect", vault.path, "--json")
+    assert json.loads(out)["format"] == "smoe-vault" and json.loads(out)["version"] == 1
+    assert "streamed" not in json.loads(out)
+
+
 def test_text_summary(vault, run_cli):
     code, out, _ = run_cli("inspect", vault.path)
     assert code == 0
@@ -139,7 +150,7 @@ def test_verify_reports_a_changed_tokenizer_file(vault, run_cli, tmp_path):
         code, out, _ = run_cli("inspect", vault.path, "--verify", "--quiet")
         assert code == 1 and f"{victim} does not match its checksum" in out
         code, _, err = run_cli("generate", vault.path, "--prompt-ids", "1,2", "--max-tokens", "1")
-        assert code == 2 and f"{victim} does not match its checksum" in err
+        assert code == 1 and f"{victim} does not match its checksum" in err
         assert "put it back from the source" in err and "Traceback" not in err
     finally:
         victim.write_bytes(original)
@@ -154,5 +165,5 @@ def test_a_bad_offset_cannot_pass_verify(vault, run_cli, delta):
     manifest = sign_manifest({k: v for k, v in manifest.items() if k != SIGNATURE})
     (vault.path / "manifest.json").write_text(json.dumps(manifest))
     code, out, err = run_cli("inspect", vault.path, "--verify", "--quiet")
-    assert code == 2 and not out
+    assert code == 1 and not out
     assert "record.components[2].offset" in err and "convert the model again" in err

@@ -4,6 +4,7 @@ and their caches, and the forecast's model."""
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -85,8 +86,11 @@ def test_plan_on_a_vault_is_the_fit_the_engine_makes(vault, run_cli):
     plan = json.loads(out)
     assert plan["kind"] == "vault" and plan["fits"] is True
     assert plan["fit"]["ring_slots"] == 6
+    smallest = budget_parts(vault, mx.float32, kind="unified", max_batch=1, max_context=512)
+    assert plan["smallest_memory_context"] == 512  # the least the default context halves to
     assert (
-        plan["smallest_memory_bytes"] == needs.fixed + m.shape.experts_per_token * m.record.stride
+        plan["smallest_memory_bytes"]
+        == smallest.fixed + m.shape.experts_per_token * m.record.stride
     )
     assert run(_engine_fit(vault, memory)) == plan["fit"]
     f = plan["forecast"]
@@ -114,13 +118,65 @@ def test_plan_names_the_smallest_budget_when_it_does_not_fit(vault, run_cli):
     assert code == 1 and f"does not fit: smallest budget {plan['smallest_memory']}" in out
 
 
+def test_ctrl_c_during_the_compute_probe_is_one_line_and_exit_130(vault):
+    """The probe says what it runs and how long, and SIGINT (Ctrl-C) once it has begun
+    ends the plan with one line, no traceback and no plan."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "smoe.cli", "plan", str(vault.path), "--fresh"]
+    argv += ["--probe-seconds", "0.3", "--device", "cpu"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # the line comes before the probe starts: nothing to wait on
+        said.append(line)
+        if "measuring compute" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out, rest = proc.communicate()
+    assert said and "a warm-up request, then 4, each a 129-token prompt" in said[-1]
+    assert "Ctrl-C stops it" in said[-1]
+    lines = [line for line in rest.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines[-1] == "smoe plan: interrupted", rest
+    assert "Traceback" not in rest and out == ""
+
+
+def test_the_probe_estimates_its_time_after_the_warm_up(vault, run_cli):
+    code, _, err = run_cli("plan", vault.path, "--fresh", "--probe-seconds", "0.3")
+    assert code == 0, err
+    assert re.search(r"the warm-up request took [\d.]+ s: about \d+ s more for the 4", err)
+
+
+def test_the_smallest_budget_does_not_depend_on_memory(vault, run_cli):
+    """The default context halves to fit --memory; the smallest budget and the one for
+    every expert are named at fixed contexts, so every --memory gives the same figures."""
+    m = vault.manifest
+    parts = [
+        budget_parts(vault, mx.float32, kind="unified", max_batch=1, max_context=c)
+        for c in (default_context(vault), 512)
+    ]
+    top_k = m.shape.experts_per_token * m.record.stride
+    between = (parts[0].fixed + parts[1].fixed) // 2 + top_k  # fits a shorter context only
+    plans = [
+        _plan(run_cli, vault.path, "--no-compute", "--memory", str(memory), "--device", "cpu")
+        for memory in ("2GB", between)
+    ]
+    assert plans[0]["fit"]["context"] > plans[1]["fit"]["context"]  # the budgets differ
+    for key in ("smallest_memory_bytes", "smallest_memory", "memory_for_every_expert"):
+        assert plans[0][key] == plans[1][key], key
+    assert plans[0]["smallest_memory_bytes"] == parts[1].fixed + top_k
+    assert plans[0]["every_expert_context"] == default_context(vault)
+
+
 def test_a_shorter_context_and_quantized_kv_lower_the_smallest_budget(
     vault, tmp_path_factory, run_cli
 ):
-    full = _plan(run_cli, vault.path, "--no-compute", "--memory", "2GB")
+    full = _plan(run_cli, vault.path, "--no-compute", "--memory", "2GB", "--context", "1024")
     short = _plan(run_cli, vault.path, "--no-compute", "--memory", "2GB", "--context", "512")
     assert short["smallest_memory_bytes"] < full["smallest_memory_bytes"]
-    assert short["fit"]["context"] == 512
+    assert short["fit"]["context"] == 512 and full["smallest_memory_context"] == 1024
     # heads 64 wide (the tiny vault's 16 cannot be quantized: refused in one line)
     root = tmp_path_factory.mktemp("wide")
     src = make_hf_checkpoint(root / "src", "qwen3_moe", seed=4, head_dim=64)
@@ -134,7 +190,7 @@ def test_a_shorter_context_and_quantized_kv_lower_the_smallest_budget(
     assert q4["fit"]["kv_bytes"] * 4 == plain["fit"]["kv_bytes"] * (0.5 + 8 / 64)
     assert q8["smallest_memory_bytes"] < plain["smallest_memory_bytes"]
     code, out, err = run_cli("plan", vault.path, "--no-compute", "--kv-bits", "8")
-    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert code == 1 and len(err.strip().splitlines()) == 1
     assert "multiple of 32; this model's are 16 wide: leave --kv-bits out" in err
 
 
@@ -351,6 +407,6 @@ def test_a_layer_waits_for_its_reads_in_rounds_of_the_workers():
 
 def test_plan_refuses_bad_options_in_one_line(vault, run_cli):
     code, _, err = run_cli("plan", vault.path, "--bits", "4")
-    assert code == 2 and "--bits is for a source folder" in err and "Traceback" not in err
+    assert code == 1 and "--bits is for a source folder" in err and "Traceback" not in err
     code, _, err = run_cli("plan", vault.path / "nope")
-    assert code == 2 and "Traceback" not in err
+    assert code == 1 and "Traceback" not in err
