@@ -22,6 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
+from smoe.compute.logprobs import TokenLogprob, chunk_logprobs, note_scores, scored_row
 from smoe.compute.prompt_pass import CHUNK_HALF, PromptPass
 from smoe.compute.solo_rows import KernelRules, solo_rows
 from smoe.compute.timeline import StepTime, StepTimeline
@@ -51,6 +52,25 @@ class Sequence_:
     # A layer-major prefill under way (Runner.prefill_chunk): its chunks suspended at a
     # MoE layer; ``cached`` counts its tokens only once it is done.
     prompt: PromptPass | None = None
+    bias: Callable[[Any, mx.array], mx.array] | None = None  # logit_bias (mlx-lm's processor)
+    # Log-probabilities (params.logprobs, params.prompt_logprobs; smoe.compute.logprobs):
+    # the log-softmax row beside ``ahead``, each appended token's entry until taken, and
+    # the prompt's (None: not asked) as the prefill computes them.
+    ahead_row: mx.array | None = None
+    scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] | None = None
+
+    def take_scores(self) -> list[TokenLogprob]:
+        """The entries of the tokens appended since the last take (none unless asked)."""
+        scores, self.scores = self.scores, []
+        return scores
+
+    def take_prompt_scores(self) -> list[TokenLogprob] | None:
+        """The prompt's entries once its prefill is done (None: not asked or not done)."""
+        if self.prompt_scores is None or self.to_prefill() > 0 or self.prompt is not None:
+            return None
+        scores, self.prompt_scores = self.prompt_scores, None
+        return scores
 
     def to_prefill(self) -> int:
         """Prompt tokens still to run before the sequence can be sampled."""
@@ -88,6 +108,16 @@ def _check_quantizable(cache: list[Any]) -> None:
             f"{', '.join(kinds)} layers (sliding windows or recurrent state), which mlx-lm "
             "cannot quantize: leave --kv-bits out"
         )
+
+
+def _own(state: Any) -> Any:
+    """``state`` (a cache's arrays, nested in tuples) as new arrays of the same bits. mlx-lm's
+    caches write in place (``keys[..., i:j, :] = k`` replaces the array's contents for every
+    holder of that array), and its KVCache's ``state`` is its arrays themselves: a copy
+    holding them would write into the original's cache, and the original into its."""
+    if isinstance(state, (tuple, list)):
+        return type(state)(_own(x) for x in state)
+    return mx.contiguous(state) if isinstance(state, mx.array) else state
 
 
 def _empty_like(cache: Any) -> Any:
@@ -269,6 +299,8 @@ class Runner:
         if seq.prompt is not None:  # re-pointed in the middle of a layer-major prefill
             self.reset(seq)
         seq.seed, seq.params, seq.governor = params.seed, params, None
+        seq.bias = make_logits_processors(dict(params.logit_bias))[0] if params.logit_bias else None
+        seq.scores, seq.prompt_scores = [], None
         seq.sampler = make_sampler(
             params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
         )
@@ -284,7 +316,9 @@ class Runner:
         prompt = list(prompt)
         keep = common_prefix(seq.tokens[: seq.cached], prompt)
         keep = min(keep, len(prompt) - 1)  # the last token must run to give logits
-        if keep < seq.cached:
+        if params.prompt_logprobs is not None:  # every prompt token's logits: from the start
+            seq.cache, keep, seq.prompt_scores = self.new_cache(), 0, []
+        elif keep < seq.cached:
             if can_trim_prompt_cache(seq.cache):
                 trim_prompt_cache(seq.cache, seq.cached - keep)
             else:  # e.g. a sliding-window cache: start over
@@ -305,19 +339,29 @@ class Runner:
         if todo == 0:
             return 0
         try:
+            scores = seq.prompt_scores  # the prompt's numbers, where asked (extended)
             if not self.layer_major:
                 piece = seq.tokens[seq.cached : seq.cached + min(todo, self.chunk)]
-                self._feed(piece, seq.cache, logits=False)
+                if scores is not None:
+                    scores += self._prompt_runner(seq, seq.cached)(piece)
+                else:
+                    self._feed(piece, seq.cache, logits=False)
                 seq.cached += len(piece)
                 return len(piece)
             if seq.prompt is None:
                 part = seq.tokens[seq.cached : seq.cached + min(todo, self.pass_tokens)]
-                run = self._chunk_runner(seq.cache, logits=False)
+                run = (
+                    self._prompt_runner(seq, seq.cached)
+                    if scores is not None
+                    else self._chunk_runner(seq.cache, logits=False)
+                )
                 seq.prompt = PromptPass(run, self._pieces(part))
             tokens = seq.prompt.tokens
             # a chunk's work through every layer: its start, then each layer's experts and
             # the attention after them (half a chunk-layer each)
             if not seq.prompt.advance(self.layers + CHUNK_HALF):
+                if scores is not None:
+                    scores += [e for r in seq.prompt.results() for e in r or ()]
                 seq.prompt = None
                 seq.cached += tokens
             return tokens
@@ -325,13 +369,29 @@ class Runner:
             self.reset(seq)
             raise
 
+    def _prompt_runner(self, seq: Sequence_, start: int) -> Callable[[list[int]], Any]:
+        """A chunk runner for a prefill from ``start`` that also scores the prompt: chunk i
+        returns the entries of the tokens after its own (``chunk_logprobs``); chunks start
+        in prompt order, so each knows where it stands."""
+        run = self._chunk_runner(seq.cache, logits=True)
+        assert seq.params is not None and seq.params.prompt_logprobs is not None
+        k, at = seq.params.prompt_logprobs, [start]
+
+        def score(piece: list[int]) -> list[TokenLogprob]:
+            first = at[0]
+            at[0] += len(piece)
+            targets = seq.tokens[first + 1 : first + 1 + len(piece)]
+            return chunk_logprobs(run(piece), targets, k)
+
+        return score
+
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
         if seq.prompt is not None:  # a layer-major prefill cut short: its chunks end
             seq.prompt.close()
             seq.prompt = None
         seq.cache, seq.cached = self.new_cache(), 0
-        seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
+        seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = None, None, None, None
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
@@ -341,7 +401,8 @@ class Runner:
         return np.array(y[0, -1].astype(mx.float32))
 
     def copy(self, seq: Sequence_) -> Sequence_:
-        """An independent copy of ``seq`` (its cache's arrays are sliced, not shared)."""
+        """An independent copy of ``seq``: its cache's arrays are new arrays (their data
+        shared until either side writes: ``_own``), so the two may decode together."""
         if seq.prompt is not None:
             raise RuntimeError("a sequence is copied only between prefills, not during one")
         self.settle(seq)
@@ -351,7 +412,7 @@ class Runner:
             if type(mine) is not type(theirs):  # e.g. a quantized cache under kv_bits None
                 mine = cache[i] = _empty_like(theirs)
             if not theirs.empty():
-                mine.state = theirs.state
+                mine.state = _own(theirs.state)
                 if hasattr(theirs, "meta_state"):
                     mine.meta_state = theirs.meta_state
         mx.eval([c.state for c in cache if not c.empty()])
@@ -389,15 +450,17 @@ class Runner:
         start, self._queue_s = time.perf_counter(), 0.0
         try:
             if seq.ahead is None:
-                token, routing = self._build_step(seq, mx.array(seq.tokens[-1:]), len(seq.tokens))
+                last = mx.array(seq.tokens[-1:])
+                token, routing, row = self._build_step(seq, last, len(seq.tokens))
             else:
                 # (a row of a batched pass, too: its token and cache entry are its own)
-                token, routing = seq.ahead, seq.ahead_routing
-                seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
+                token, routing, row = seq.ahead, seq.ahead_routing, seq.ahead_row
+                seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = (None,) * 4
             if more:
                 # token [1] feeds the next pass lazily: it puts this token's keys and
                 # values in the cache and samples the one after it.
-                seq.ahead, seq.ahead_routing = self._build_step(seq, token, len(seq.tokens) + 1)
+                ahead = self._build_step(seq, token, len(seq.tokens) + 1)
+                seq.ahead, seq.ahead_routing, seq.ahead_row = ahead
                 self.built_ahead += 1
             built = time.perf_counter()
             value = cast(int, token.item())  # waits for this step's pass only
@@ -408,21 +471,26 @@ class Runner:
             raise
         seq.cached = len(seq.tokens)
         seq.tokens.append(value)
+        note_scores([(seq, row, value)])
         return value
 
-    def _build_step(self, seq: Sequence_, last: mx.array, position: int) -> tuple[mx.array, Any]:
+    def _build_step(
+        self, seq: Sequence_, last: mx.array, position: int
+    ) -> tuple[mx.array, Any, mx.array | None]:
         """Queue the lazy decode pass on ``last`` [1]; return its sampled token [1]
-        (``position``: the index it will have in ``seq.tokens``) and its routing
-        (``_queue``)."""
+        (``position``: the index it will have in ``seq.tokens``), its routing
+        (``_queue``) and the log-softmax row of its logits where asked (``scored_row``)."""
         y, routing = self._forward(last[None], seq.cache, [seq.cache])  # [1, 1, V]
+        row = scored_row(seq, y[:, -1, :])
         token = self._draw(seq, y[:, -1, :], position)
-        return token, self._queue(token, routing)
+        return token, self._queue(token, routing, [row]), row
 
-    def _queue(self, token: mx.array, routing: Any) -> Any:
-        """Start evaluating a built pass (its token and its routing's ids); return the
-        routing, to count once the token has been read."""
+    def _queue(self, token: mx.array, routing: Any, rows: Sequence[Any] = ()) -> Any:
+        """Start evaluating a built pass (its token, its routing's ids and any log-softmax
+        ``rows``); return the routing, to count once the token has been read."""
         start = time.perf_counter()
-        mx.async_eval(token, *([routing.ids] if routing is not None else []))  # type: ignore[no-untyped-call]
+        extra = [r for r in rows if r is not None]
+        mx.async_eval(token, *([routing.ids] if routing is not None else []), *extra)  # type: ignore[no-untyped-call]
         self._queue_s += time.perf_counter() - start
         return routing
 
@@ -440,7 +508,7 @@ class Runner:
 
         if seq.ahead is not None:
             trim_prompt_cache(seq.cache, 1)
-            seq.ahead, seq.ahead_routing, seq.ahead_pass = None, None, None
+            seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = None, None, None, None
 
     def step_batch(self, seqs: list[Sequence_], more: bool = True) -> list[int]:
         """One decode step of every sequence in ``seqs`` together: per MoE layer the union
@@ -452,10 +520,13 @@ class Runner:
         if all(self._can_build_ahead(s) for s in seqs):
             return self._step_batch_ahead(seqs, more)
         y = self._forward_batch(seqs)  # [B, 1, V]
+        rows = [scored_row(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
         tokens = mx.concatenate(  # [B]: every row's draw, read back in one sync
             [self._draw(s, y[i : i + 1, -1, :], len(s.tokens)) for i, s in enumerate(seqs)]
         )
-        return self._append(seqs, tokens)
+        values = self._append(seqs, tokens)
+        note_scores(list(zip(seqs, rows, values, strict=True)))
+        return values
 
     def _step_batch_ahead(self, seqs: list[Sequence_], more: bool) -> list[int]:
         """``step_batch`` with the next batched pass queued before this step's tokens are
@@ -469,19 +540,20 @@ class Runner:
                 now = mx.concatenate([s.ahead for s in seqs if s.ahead is not None])  # [B]
                 assert now.shape == (len(seqs),), "a row of a pass built ahead lost its token"
                 routing, built.routing = built.routing, None  # one count per pass
+                rows = [s.ahead_row for s in seqs]
                 for s in seqs:
-                    s.ahead, s.ahead_routing, s.ahead_pass = None, None, None
+                    s.ahead, s.ahead_routing, s.ahead_pass, s.ahead_row = None, None, None, None
             else:
                 for s in seqs:
                     self.settle(s)
                 last = mx.array([s.tokens[-1] for s in seqs])  # [B]
-                now, routing = self._build_batch(seqs, last, 0)
+                now, routing, rows = self._build_batch(seqs, last, 0)
             if more:
                 # now [B] feeds the next pass lazily, as in _step_ahead.
-                nxt, nxt_routing = self._build_batch(seqs, now, 1)
+                nxt, nxt_routing, nxt_rows = self._build_batch(seqs, now, 1)
                 built = BatchPass(nxt, nxt_routing)
                 for i, s in enumerate(seqs):
-                    s.ahead, s.ahead_pass = nxt[i : i + 1], built
+                    s.ahead, s.ahead_pass, s.ahead_row = nxt[i : i + 1], built, nxt_rows[i]
                 self.built_ahead += 1
             queued = time.perf_counter()
             values = cast(list[int], now.tolist())  # waits for this step's pass only
@@ -494,22 +566,24 @@ class Runner:
         for s, value in zip(seqs, values, strict=True):
             s.cached = len(s.tokens)
             s.tokens.append(value)
+        note_scores(list(zip(seqs, rows, values, strict=True)))
         return values
 
     def _build_batch(
         self, seqs: list[Sequence_], last: mx.array, offset: int
-    ) -> tuple[mx.array, Any]:
+    ) -> tuple[mx.array, Any, list[mx.array | None]]:
         """Queue the lazy batched pass on ``last`` [B] (row i: ``seqs[i]``'s last token,
-        ``offset`` tokens past ``seqs[i].tokens``); return its sampled tokens [B] and its
-        routing (``_queue``)."""
+        ``offset`` tokens past ``seqs[i].tokens``); return its sampled tokens [B], its
+        routing (``_queue``) and each row's log-softmax where asked (``scored_row``)."""
         from smoe.compute.rowwise import RowCaches
 
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
         y, routing = self._forward(last[:, None], caches, [s.cache for s in seqs], rules=True)
+        rows = [scored_row(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
         tokens = mx.concatenate(  # [B]
             [self._draw(s, y[i : i + 1, -1, :], len(s.tokens) + offset) for i, s in enumerate(seqs)]
         )
-        return tokens, self._queue(tokens, routing)
+        return tokens, self._queue(tokens, routing, rows), rows
 
     def _append(self, seqs: list[Sequence_], tokens: mx.array) -> list[int]:
         """Read ``tokens`` [B] back (one sync) and append row i's to ``seqs[i]``."""
@@ -593,12 +667,16 @@ class Runner:
         cache = seq.cache if self.rules is None else [RowSequence(c) for c in seq.cache]
         # y [1, k+1, V]: position j's logits give the token after draft[:j]
         y = self._pass([seq], mx.array([seq.tokens[-1], *draft])[None], cache)
+        scored = []  # each token's log-softmax row (the verify pass's logits), where asked
         for j in range(len(draft) + 1):
             guess = draft[j] if j < len(draft) else None
+            row = scored_row(seq, y[:, j, :])
             accepted, token = self._judge(seq, y[:, j, :], guess)
             seq.tokens.append(token)
+            scored.append((seq, row, token))
             if not accepted or token in stop:
                 break
+        note_scores(scored)
         # The pass put base + k entries in the cache; keep those of the tokens now
         # before the last one.
         trim_prompt_cache(seq.cache, base + len(draft) - (len(seq.tokens) - 1))
@@ -613,6 +691,8 @@ class Runner:
         if params is None or params.temperature == 0:  # greedy: plain decode's own pick
             token = cast(int, self._draw(seq, logits, position).item())
             return token == guess, token
+        if seq.bias is not None:
+            logits = seq.bias(None, logits)
         if seq.processors:
             history = mx.array(seq.tokens)
             for proc in seq.processors:
@@ -628,13 +708,17 @@ class Runner:
 
     def _sample(self, seq: Sequence_, logits: mx.array) -> int:
         """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""
+        row = scored_row(seq, logits)
         token = cast(int, self._draw(seq, logits, len(seq.tokens)).item())
         seq.tokens.append(token)
+        note_scores([(seq, row, token)])
         return token
 
     def _draw(self, seq: Sequence_, logits: mx.array, position: int) -> mx.array:
         """The token [1] (lazy) drawn from ``logits`` [1, V] for ``seq.tokens[position]``
-        with ``seq``'s processors (they read ``seq.tokens``) and sampler."""
+        with ``seq``'s logit bias, processors (they read ``seq.tokens``) and sampler."""
+        if seq.bias is not None:  # first, as in mlx-lm's make_logits_processors
+            logits = seq.bias(None, logits)
         if seq.processors:
             history = mx.array(seq.tokens)
             for p in seq.processors:

@@ -16,8 +16,9 @@ between iterations) and does, in order:
 Which requests steps 2 and 3 take is decided by ``next_prefill`` and ``ready_to_decode``,
 pure functions of the active tickets' states (as nano-vllm separates scheduling from running). A ticket moves
 WAITING -> PREFILLING -> DECODING -> FINISHED (or straight to FINISHED on an error or a
-cancel). Its events, typed (``Token``, ``End``, ``Failed``), go to its own queue, which
-``Engine._stream`` reads. A cancelled ticket leaves the batch at the next iteration; the
+cancel). Its events, typed (``Token``, ``Prompt``, ``End``, ``Failed``), go to its own
+queue, which ``Engine._stream`` reads. A ticket of max_tokens 0 ends once its prompt is
+prefilled (with its ``Prompt`` log-probabilities, where asked). A cancelled ticket leaves the batch at the next iteration; the
 step in progress (one token's time) cannot be interrupted. Nothing here imports MLX: the
 runner does the math.
 """
@@ -83,9 +84,18 @@ class RequestState(enum.Enum):
 
 
 class Token(NamedTuple):
-    """A sampled token id."""
+    """A sampled token id, with its log-probability where the request asked
+    (``SamplingParams.logprobs``: a smoe.sampling.TokenLogprob)."""
 
     id: int
+    score: Any = None
+
+
+class Prompt(NamedTuple):
+    """The prompt's log-probabilities (``SamplingParams.prompt_logprobs``), once its
+    prefill is done, before any token: a TokenLogprob per prompt token after the first."""
+
+    scores: list[Any]
 
 
 class End(NamedTuple):
@@ -100,7 +110,7 @@ class Failed(NamedTuple):
     error: BaseException
 
 
-TicketEvent = Token | End | Failed
+TicketEvent = Token | Prompt | End | Failed
 
 
 @dataclass
@@ -317,14 +327,14 @@ class Batcher:
                 self.waiting.appendleft(ticket)
                 raise
             ticket.prompt_run = ticket.seq.to_prefill()
-            self._update(ticket)
+            self._settle(ticket)
             self.active.append(ticket)
 
         prefill = next_prefill(self.active)
         if prefill is not None:
             self._timeline("idle")  # a prefill chunk between steps is not the loop's time
             await self._prefill(prefill)
-            self._update(prefill)  # a prompt just done decodes in this same iteration
+            self._settle(prefill)  # a prompt just done decodes in this same iteration
         ready = ready_to_decode(self.active)
         if ready:
             await self._decode(ready)
@@ -342,6 +352,19 @@ class Batcher:
         if not ticket.finished:
             prefilling = ticket.seq.to_prefill() > 0
             ticket.state = RequestState.PREFILLING if prefilling else RequestState.DECODING
+
+    def _settle(self, ticket: Ticket) -> None:
+        """``_update``; a prompt just prefilled then hands over its log-probabilities, if
+        asked (``Prompt``), and a ticket of no tokens (max_tokens 0) ends there."""
+        self._update(ticket)
+        if ticket.state is not RequestState.DECODING:
+            return
+        take = getattr(ticket.seq, "take_prompt_scores", None)  # (the runner's sequences)
+        scores = take() if take is not None else None
+        if scores is not None:
+            ticket.events.put_nowait(Prompt(scores))
+        if ticket.max_tokens <= 0:
+            ticket._finish(End("length"))
 
     def _drop_cancelled(self) -> None:
         self.active = [t for t in self.active if not (self._gone(t) or t.finished)]
@@ -379,9 +402,11 @@ class Batcher:
             m.add(cost, len(ready))
             if ticket.generated > 0:
                 ticket.batch_sizes.append(len(ready))
-            for token in tokens:
+            take = getattr(ticket.seq, "take_scores", None)  # (the runner's sequences)
+            scores = take() if take is not None else []
+            for i, token in enumerate(tokens):
                 ticket.generated += 1
-                ticket.events.put_nowait(Token(token))
+                ticket.events.put_nowait(Token(token, scores[i] if i < len(scores) else None))
                 if token in ticket.eos:
                     ticket._finish(End("stop"))
                 elif ticket.generated >= ticket.max_tokens:

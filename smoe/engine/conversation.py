@@ -302,7 +302,7 @@ class Conversation:
                     await self.engine.compute.run(write, tmp)
         except (OSError, ValueError) as e:  # ValueError: a name the OS cannot take (a NUL)
             raise SmoeError(
-                f"cannot save the conversation to {path!r} ({e}); check the name, and that "
+                f"cannot save the conversation to {_shown(path)} ({e}); check the name, and that "
                 "the directory exists and has space (a file already there is unchanged)"
             ) from None
         return path
@@ -400,3 +400,9 @@ def _read(engine: Engine, path: Path) -> tuple[conversation_file.Saved, list[Any
     vocab = engine.vault.manifest.shape.vocab_size
     saved = conversation_file.check(meta, cache, path, vocab, engine.max_context)
     return saved, cache
+
+
+def _shown(path: object) -> str:
+    """A path as the user typed it, on one line (a name with a newline is escaped)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)

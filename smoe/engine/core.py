@@ -423,6 +423,7 @@ class Engine:
             direct_io=self.reader.direct,
             draft=drafting.stats.to_json() if drafting is not None else None,
             steps=self.runner.timeline.summary(),
+            resident_hits=self.slots.resident_hits,
         )
 
     def _host_tier_stats(self) -> HostTierStats:
@@ -595,14 +596,33 @@ class Engine:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> AsyncIterator[Event]:
         """Stream tokens; the last event carries ``finish_reason`` and ``stats``.
 
+        ``logprobs`` (0..20): each token's event carries its log-probability and that many
+        likeliest alternatives (``Event.logprob``, ``Event.top_logprobs``);
+        ``prompt_logprobs`` (0..20): one event before the first token carries the prompt's
+        (``Event.prompt_logprobs``; the prompt is then prefilled whole, no cached prefix
+        reused). ``logit_bias``: {token id: -100..100} added to the logits before sampling.
+        ``max_tokens`` 0 only runs the prompt (its log-probabilities, where asked).
         Raises SmoeError before any work for an empty or too-long prompt or bad settings.
         """
-        if max_tokens < 1:
-            raise SmoeError("max_tokens must be at least 1")
-        params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
+        if max_tokens < 0:
+            raise SmoeError("max_tokens must be at least 0 (0: the prompt only)")
+        params = SamplingParams(
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            seed=seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=tuple((logit_bias or {}).items()),
+        )
         params.check()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         async for event in self.stream(ids, params, max_tokens, stop_at_eos=stop_at_eos):
@@ -625,8 +645,15 @@ class Engine:
         server's prefix reuse build on). ``on_prepared(sequence, tokens_to_prefill)`` runs
         on the compute thread once the sequence points at the prompt. Events as
         ``generate``; leaving the iteration early takes the request out of the batch.
-        Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt."""
+        Raises SmoeError at once for an empty, out-of-vocabulary or too-long prompt, or a
+        ``logit_bias`` id outside the vocabulary. ``max_tokens`` 0: the prompt is
+        prefilled, its log-probabilities given where ``params`` ask, and the stream ends
+        ("length")."""
         ids = self.check_prompt(prompt, extra=max_tokens)
+        vocab = self.vault.manifest.shape.vocab_size
+        outside = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise SmoeError(f"logit_bias ids {outside[:5]} are outside the vocabulary")
         own = cast(Sequence_ | None, sequence)  # handles are the sequences it made
         if self.ranks is not None and params.temperature > 0 and params.seed is None:
             if self.leader is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from smoe.sampling import TokenLogprob
+
 
 @dataclass
 class GenerationStats:
@@ -36,9 +38,21 @@ class GenerationStats:
 
 @dataclass
 class Event:
-    """One token (``token``, ``text``), or the end (``finish_reason`` and ``stats``)."""
+    """One token (``token``, ``text``), or the end (``finish_reason`` and ``stats``).
+
+    Where the request asked (``SamplingParams.logprobs``), a token comes with its
+    log-probability (``logprob``) and the likeliest tokens at its place (``top_logprobs``:
+    (id, log-probability) pairs, likeliest first); an EOS id that ended the generation
+    has no event of its own: the last event names it (``end_token``) with its numbers.
+    Where the request asked for the prompt's (``prompt_logprobs``), one event before the
+    first token carries them: a TokenLogprob per prompt token after the first. None where
+    not asked."""
 
     token: int | None = None
     text: str = ""
     finish_reason: str | None = None  # "stop" (EOS) or "length"
     stats: GenerationStats | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    end_token: int | None = None  # the EOS id that ended it, where numbers were asked

@@ -73,10 +73,27 @@ class EngineStats:
     # Decode steps built ahead, medians by rows: build, queue, wait, period, and the event
     # loop's share (smoe.compute.timeline.StepTimeline.summary).
     steps: dict[str, Any]
+    # Expert uses served from the resident tables once the ring holds the whole model: they
+    # ask the scheduler nothing, so ``scheduler.hits`` leaves them out
+    resident_hits: int = 0
+
+    @property
+    def hits(self) -> int:
+        """Expert uses found in the ring, the resident tables' included."""
+        return self.scheduler.hits + self.resident_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of expert uses found in the ring since open (as a request's own)."""
+        asked = self.hits + self.scheduler.misses
+        return self.hits / asked if asked else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "scheduler": self.scheduler.to_json(),
+            "hits": self.hits,
+            "resident_hits": self.resident_hits,
+            "hit_rate": self.hit_rate,
             "ring": self.ring.__dict__.copy(),
             "host_tier": self.host_tier.__dict__
             | {"bytes_up": self.host_tier.bytes_up, "bytes_down": self.host_tier.bytes_down},

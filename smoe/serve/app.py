@@ -49,7 +49,7 @@ from smoe.engine.handles import SequenceHandle
 from smoe.engine.prefix_store import MIN_TOKENS, PrefixStore
 from smoe.errors import ShuttingDown, SmoeError
 from smoe.sampling import SamplingParams
-from smoe.serve import anthropic_api, cors, ollama_api, openai_api
+from smoe.serve import anthropic_api, choices, cors, ollama_api, openai_api
 from smoe.serve.api_error import ApiError, failure, http_error
 from smoe.serve.body import MAX_BODY_BYTES
 from smoe.serve.completion import (
@@ -67,11 +67,12 @@ from smoe.serve.intake import (
     off_loop,
 )
 from smoe.serve.listener import listen
+from smoe.serve.logprobs import TokenText, asked
 from smoe.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from smoe.serve.metrics import render as render_metrics
 from smoe.serve.prefix import ChatReply, PrefixCache, reply_ids
 from smoe.serve.prompt import Intake, Turn
-from smoe.serve.stats import server_stats
+from smoe.serve.stats import model_created, server_stats
 from smoe.serve.stops import StopMatcher
 from smoe.serve.tools import ToolCallSplitter
 from smoe.serve.validate import Limits, validate_request
@@ -203,6 +204,7 @@ class Server:
         )
         self.app.on_response_prepare.append(self._cors_headers)
         self.vocab = engine.vault.manifest.shape.vocab_size
+        self.token_text = TokenText(engine.tokenizer)  # log-probabilities' token strings
         # Requests into prompts, within the request memory (smoe/serve/prompt.py)
         self.intake = Intake(
             engine,
@@ -357,7 +359,7 @@ class Server:
                     {
                         "id": self.options.model_name,
                         "object": "model",
-                        "created": 0,
+                        "created": model_created(self.engine.vault),
                         "owned_by": "smoe",
                     }
                 ],
@@ -388,6 +390,7 @@ class Server:
         """The generation settings of validated ``fields`` for a ``prompt`` of so many
         tokens; ApiError 400 (context_length_exceeded) if the reply has no room."""
         top_k = fields["top_k"]
+        logprobs, prompt_logprobs = asked(fields, chat)
         o = self.options
         temperature = o.temperature if fields["temperature"] is None else fields["temperature"]
         top_p = o.top_p if fields["top_p"] is None else fields["top_p"]
@@ -401,13 +404,18 @@ class Server:
             presence_penalty=fields["presence_penalty"],
             frequency_penalty=fields["frequency_penalty"],
             seed=fields["seed"],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=fields.get("logit_bias", ()),
         )
         try:
             params.check()  # validation is stricter; this guards against drift
         except SmoeError as e:
             raise ApiError(400, str(e)) from None
         room = self.engine.max_context - prompt
-        max_tokens = fields["max_tokens"] or fields["max_completion_tokens"]
+        max_tokens = fields["max_tokens"]  # (0: with echo, the prompt only)
+        if max_tokens is None:
+            max_tokens = fields["max_completion_tokens"]
         if max_tokens is None:
             max_tokens = max(1, min(o.max_tokens, room))
         if max_tokens > room:
@@ -431,6 +439,9 @@ class Server:
             fields = await off_loop(validate_request, body, "chat", self.limits)
             tools = fields["tools"] if fields["tool_choice"] != "none" else []
             ids, turn = await self.intake.template(fields["messages"], tools)
+        if fields["n"] > 1:  # several choices (smoe/serve/choices.py)
+            fmt = openai_api.OpenAIFormat
+            return await choices.answer(self, request, fields, [ids], fmt, True, tools=tools)
         return await self.answer(
             request, fields, ids, openai_api.OpenAIFormat, chat=True, turn=turn, tools=tools
         )
@@ -438,9 +449,13 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         async with self.intake.preparing(request) as body:
             fields = await off_loop(validate_request, body, "completions", self.limits)
-            prompt = fields["prompt"]
-            ids = await self.intake.encode(prompt) if isinstance(prompt, str) else prompt
-        return await self.answer(request, fields, ids, openai_api.OpenAIFormat, chat=False)
+            prompts = fields["prompt"]  # one or more (smoe/serve/choices.py)
+            ids = [await self.intake.encode(p) if isinstance(p, str) else p for p in prompts]
+            echoes = await choices.echo_texts(self.engine.tokenizer, fields, prompts)
+        fmt = openai_api.OpenAIFormat
+        if len(ids) > 1 or fields["n"] > 1:
+            return await choices.answer(self, request, fields, ids, fmt, False, echoes)
+        return await self.answer(request, fields, ids[0], fmt, chat=False, echo=echoes[0])
 
     async def answer(
         self,
@@ -451,11 +466,13 @@ class Server:
         chat: bool,
         turn: Turn | None = None,
         tools: list[dict[str, Any]] | None = None,
+        echo: str | None = None,
     ) -> web.StreamResponse:
         """Generate for ``ids`` with the settings of validated ``fields`` and answer in
         ``format_``: its JSON body, or its stream of events as the tokens come. ``turn``:
         a plain chat's messages (the prefix cache may keep its reply); ``tools``: the
-        request's tools (the model's calls are parsed out of its text). ApiError 400 if
+        request's tools (the model's calls are parsed out of its text); ``echo``: the
+        prompt's text, given before the reply (completions' echo). ApiError 400 if
         the prompt is empty or too long for the context, 429 if the queue is full; a
         failure once streaming goes to the client as the format's error event."""
         if not ids:  # a text that tokenizes to nothing
@@ -467,6 +484,7 @@ class Server:
             raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
         splitter = ToolCallSplitter(self.engine.tokenizer, tools) if tools else None
         out = Completion(chat, StopMatcher(opts.stops), self.options.model_name, splitter)
+        choices.dress(out, fields, ids, echo, self.token_text)
         return await self._run(request, ids, opts, format_(out), turn)
 
     async def _run(

@@ -68,15 +68,30 @@ class Completion:
     finish: str = "length"
     ended: bool = False  # the model ended its turn (its end-of-turn id is in the stream)
     first_token_s: float = 0.0
+    index: int = 0  # the choice's place in the answer (n > 1, several prompts)
+    # Where the request asked: the numbers (a smoe.serve.logprobs.LogprobLog), and the
+    # prompt (``prompt_ids``) with its text, given before the reply (completions' echo).
+    logprobs: Any = None
+    echo: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
 
     def feed(self, event: Any) -> str:
         """Take one engine event; return the text it adds for the client ('' for none).
         Tool calls it completes go to ``calls`` and ``new_calls``."""
+        head = self.echoed()
+        if event.prompt_logprobs is not None and self.logprobs is not None:
+            self.logprobs.prompt(self.prompt_ids, event.prompt_logprobs)
         if event.token is not None:
             if not self.completion:
                 self.first_token_s = time.perf_counter() - self.started
             self.completion += 1
             self.generated.append(event.token)
+            if self.logprobs is not None and event.logprob is not None:
+                self.logprobs.token(event.token, event.logprob, event.top_logprobs or ())
+        elif event.end_token is not None and self.logprobs is not None and not self.chat:
+            # completions list the EOS id that ended them too (as vLLM; lm-eval's scoring
+            # drops the last generated entry); chat's content has only the reply's tokens
+            self.logprobs.token(event.end_token, event.logprob, event.top_logprobs or ())
         if event.finish_reason:
             self.finish = event.finish_reason
             self.ended = self.finish == "stop"
@@ -95,7 +110,14 @@ class Completion:
             piece += self.stops.flush()
         if piece:
             self.text.append(piece)
-        return piece
+        return head + piece
+
+    def echoed(self) -> str:
+        """The prompt's text the first time (echo), else ''; it is not matched for stops."""
+        head, self.echo = self.echo or "", None
+        if head:
+            self.text.append(head)
+        return head
 
     def take_calls(self) -> list[ToolCall]:
         """The tool calls found since the last take."""

@@ -13,6 +13,14 @@ from typing import Any, cast
 
 from aiohttp import web
 
+
+def base_urls(base: str) -> str:
+    """Each API's base URL at ``base`` as its Python client takes it (``OpenAI(base_url=)``
+    appends /chat/completions, ``Anthropic(base_url=)`` /v1/messages, ``ollama.Client(host=)``
+    /api/chat): what `smoe serve`'s start line names."""
+    return f"base URLs: OpenAI {base}/v1, Anthropic {base}, Ollama {base}"
+
+
 BUSY_BODY = json.dumps(
     {
         "error": {

@@ -60,7 +60,7 @@ def render(server: Server) -> str:
             "smoe_expert_hit_rate",
             "gauge",
             "Share of expert uses served from the ring since start.",
-            [("", stats.hit_rate)],
+            [("", now.hit_rate)],  # with the resident tables' uses (EngineStats.hits)
         ),
         _metric(
             "smoe_ring_slots",

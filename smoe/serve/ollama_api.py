@@ -22,9 +22,11 @@ from smoe import __version__
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Format, Usage
 from smoe.serve.intake import off_loop
+from smoe.serve.ollama_context import cut, fit_chat, reply_room, request_context
 from smoe.serve.tools import ToolCall
 from smoe.serve.validate import (
     INT64,
+    JSON_INSTEAD,
     Limits,
     Spec,
     check_stop,
@@ -98,6 +100,7 @@ OPTIONS: dict[str, Spec] = {
     "top_k": Spec(("integer",), lo=0),
     "min_p": Spec(("number",), lo=0, hi=1),
     "num_predict": Spec(("integer",), lo=-2),  # -1 (no limit), -2 (fill the context), 0: default
+    "num_ctx": Spec(("integer",), lo=1),  # this request's context (smoe/serve/ollama_context.py)
     "seed": Spec(("integer",), lo=INT64[0], hi=INT64[1]),
     "stop": Spec(("array",), check=lambda n, v, lim: check_stop(n, v, lim, most=16)),
     "repeat_penalty": Spec(("number",), lo=0, lo_open=True),
@@ -109,7 +112,8 @@ COMMON: dict[str, Spec] = {
     "model": Spec(("string",)),
     "stream": Spec(("boolean",), default=True),  # Ollama streams unless told not to
     "options": Spec(("object",), default={}),
-    "format": Spec(("string", "object"), supported=_off, unsupported=UNSUPPORTED),
+    "format": Spec(("string", "object"), supported=_off,
+                   unsupported=f"{UNSUPPORTED} (no constrained decoding): {JSON_INSTEAD}"),
     "keep_alive": Spec(("number", "string")),  # the model stays loaded: nothing to keep
     "think": Spec(("boolean", "string"), supported=_off, unsupported=UNSUPPORTED),
 }
@@ -131,8 +135,8 @@ GENERATE: dict[str, Spec] = {
 # fmt: on
 
 
-def _engine_fields(f: dict[str, Any], limits: Limits) -> dict[str, Any]:
-    o = validate_fields(f["options"], OPTIONS, limits, prefix="options.")
+def _engine_fields(o: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The pipeline's fields from validated ``options``."""
     predict = o["num_predict"]
     return engine_fields(
         max_tokens=predict if predict is not None and predict > 0 else None,
@@ -145,7 +149,7 @@ def _engine_fields(f: dict[str, Any], limits: Limits) -> dict[str, Any]:
         repetition_penalty=o["repeat_penalty"],
         presence_penalty=o["presence_penalty"],
         frequency_penalty=o["frequency_penalty"],
-        stream=f["stream"],
+        stream=stream,
     )
 
 
@@ -153,19 +157,33 @@ def routes(server: Server) -> list[web.RouteDef]:
     """Ollama's routes on ``server``."""
     name = server.options.model_name
 
+    def checked(body: dict[str, Any], table: dict[str, Spec]) -> tuple[dict[str, Any], ...]:
+        f = validate_fields(body, table, server.limits)
+        o = validate_fields(f["options"], OPTIONS, server.limits, prefix="options.")
+        return f, o, _engine_fields(o, f["stream"])
+
+    def within(fields: dict[str, Any], o: dict[str, Any], ids: list[int], context: int) -> None:
+        default = server.options.max_tokens
+        reply_room(fields, o["num_predict"], len(ids), context, default)
+
     async def chat(request: web.Request) -> web.StreamResponse:
         async with server.intake.preparing(request) as body:
-            f = await off_loop(validate_fields, body, CHAT, server.limits)
-            fields = _engine_fields(f, server.limits)
-            ids, turn = await server.intake.template(f["messages"], f["tools"])
+            f, o, fields = await off_loop(checked, body, CHAT)
+            context = request_context(o["num_ctx"], server.engine.max_context)
+            if context is None:
+                ids, turn = await server.intake.template(f["messages"], f["tools"])
+            else:
+                ids, turn = await fit_chat(
+                    f["messages"], lambda m: server.intake.template(m, f["tools"]), context
+                )
+                within(fields, o, ids, context)
         return await server.answer(
             request, fields, ids, OllamaChat, chat=True, turn=turn, tools=f["tools"]
         )
 
     async def generate(request: web.Request) -> web.StreamResponse:
         async with server.intake.preparing(request) as body:
-            f = await off_loop(validate_fields, body, GENERATE, server.limits)
-            fields = _engine_fields(f, server.limits)
+            f, o, fields = await off_loop(checked, body, GENERATE)
             if not f["prompt"]:  # Ollama's way to load a model: answered at once
                 return web.json_response({**_head(name), "response": "", **_done("load")})
             if f["raw"]:
@@ -174,6 +192,10 @@ def routes(server: Server) -> list[web.RouteDef]:
                 system = [{"role": "system", "content": f["system"]}] if f["system"] else []
                 user = {"role": "user", "content": f["prompt"]}
                 ids, _ = await server.intake.template([*system, user], [])
+            context = request_context(o["num_ctx"], server.engine.max_context)
+            if context is not None:
+                ids = cut(ids, context)
+                within(fields, o, ids, context)
         return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
 
     async def tags(request: web.Request) -> web.Response:

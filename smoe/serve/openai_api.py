@@ -3,7 +3,9 @@
 The body (``chat.completion`` / ``text_completion``), the streamed chunks (server-sent
 events ending with ``data: [DONE]``), tool calls as ``tool_calls`` (``finish_reason``
 "tool_calls"), and errors as ``{"error": {message, type, param, code}}``
-(``ApiError.to_json``). The request side is smoe/serve/validate.py's ``FIELDS``.
+(``ApiError.to_json``). The request side is smoe/serve/validate.py's ``FIELDS``. A
+choice's ``logprobs`` are smoe/serve/logprobs.py's; answers of several choices (``n``, a
+list of prompts) are put together by smoe/serve/choices.py from one format per choice.
 """
 
 from __future__ import annotations
@@ -37,8 +39,17 @@ class OpenAIFormat(Format):
         return "tool_calls" if self.out.calls and self.out.finish == "stop" else self.out.finish
 
     def body(self, usage: Usage) -> dict[str, Any]:
+        return self.envelope([self.choice()], usage.openai())
+
+    def choice(self) -> dict[str, Any]:
+        """The non-streaming answer's choice (``choices[i]``)."""
         out = self.out
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        numbers = out.logprobs.all() if out.logprobs is not None else None
+        choice: dict[str, Any] = {
+            "index": out.index,
+            "finish_reason": self.finish,
+            "logprobs": numbers,
+        }
         if out.chat:
             message: dict[str, Any] = {"role": "assistant", "content": out.reply}
             if out.calls:
@@ -47,13 +58,17 @@ class OpenAIFormat(Format):
             choice["message"] = message
         else:
             choice["text"] = out.reply
+        return choice
+
+    def envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streaming answer around ``choices``."""
         return {
             "id": self.id,
             "object": self.kind,
-            "created": out.created,
-            "model": out.model,
-            "choices": [choice],
-            "usage": usage.openai(),
+            "created": self.out.created,
+            "model": self.out.model,
+            "choices": choices,
+            "usage": usage,
         }
 
     def chunk(
@@ -64,7 +79,8 @@ class OpenAIFormat(Format):
         calls: list[ToolCall] | None = None,
     ) -> dict[str, Any]:
         """One chunk of the streamed answer: ``text`` (or ``calls``) added, ``finish``
-        (the last chunk's reason, else None) and ``usage`` (the last chunk's)."""
+        (the last chunk's reason, else None) and ``usage`` (the last chunk's); the numbers
+        of the tokens since the last chunk where the request asked for them."""
         out = self.out
         if out.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
@@ -76,11 +92,13 @@ class OpenAIFormat(Format):
                     {"index": self.sent_calls + i, **_call(c)} for i, c in enumerate(calls)
                 ]
                 self.sent_calls += len(calls)
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": out.index, "delta": delta, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
+            choice = {"index": out.index, "text": text, "finish_reason": finish}
             obj = self.kind
+        if out.logprobs is not None:
+            choice["logprobs"] = out.logprobs.take()
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": obj,
@@ -100,6 +118,22 @@ class OpenAIFormat(Format):
 
     def closing(self, usage: Usage) -> list[bytes]:
         return [sse(self.chunk("", self.finish, usage.openai())), DONE]
+
+    def ending(self) -> list[bytes]:
+        """One choice's last chunk among several (its finish; no usage, no [DONE])."""
+        return [sse(self.chunk("", self.finish))]
+
+    def usage_chunk(self, usage: dict[str, Any]) -> list[bytes]:
+        """The last chunk of an answer of several choices: the usage, then [DONE]."""
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.out.chat else self.kind,
+            "created": self.out.created,
+            "model": self.out.model,
+            "choices": [],
+            "usage": usage,
+        }
+        return [sse(chunk), DONE]
 
     def failure(self, error: ApiError) -> list[bytes]:
         return [sse(error_json(error)), DONE]

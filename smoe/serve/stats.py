@@ -3,6 +3,8 @@ ring, queues, batch, compute dtype) and the server's prefix cache, as JSON."""
 
 from __future__ import annotations
 
+import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,7 +18,10 @@ async def server_stats(server: Server) -> dict[str, Any]:
     ranks = await server.engine.rank_stats() if server.engine.ranks is not None else None
     return {
         **({"ranks": ranks} if ranks is not None else {}),
-        "scheduler": now.scheduler.to_json(),
+        # hits: the scheduler's and the resident tables' (a whole model in the ring asks
+        # the scheduler nothing), as a request's own hit rate counts them
+        "scheduler": now.scheduler.to_json()
+        | {"hits": now.hits, "resident_hits": now.resident_hits, "hit_rate": now.hit_rate},
         "ring": {"slots": now.ring.slots, "filled": now.ring.filled},
         "queues": now.queues.__dict__.copy(),
         "batch": now.batch.__dict__.copy(),
@@ -35,3 +40,16 @@ async def server_stats(server: Server) -> dict[str, Any]:
         # on disk (--prefix-cache-dir), null without one
         "prefix_store": server.store.stats() if server.store is not None else None,
     }
+
+
+def model_created(vault: Any) -> int:
+    """When the served model was made, in Unix seconds (/v1/models' ``created``: OpenAI's
+    clients take it for a timestamp): the vault manifest's time, else its directory's."""
+    try:
+        return int(datetime.fromisoformat(vault.manifest.created).timestamp())
+    except (AttributeError, TypeError, ValueError):
+        pass
+    try:
+        return int(vault.path.stat().st_mtime)
+    except (AttributeError, OSError):
+        return int(time.time())

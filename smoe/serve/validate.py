@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from smoe.sampling import MAX_TOP_LOGPROBS
 from smoe.serve.api_error import ApiError
 from smoe.serve.describe import NOUNS, is_int, json_type, noun, show
+from smoe.serve.logprobs import MAX_CHOICES, check_logit_bias, check_together
 
 MAX_MESSAGES = 2048
 MAX_STOP_CHARS = 1000  # each stop string; the matcher's work per token grows with it
@@ -57,7 +59,14 @@ def _off(value: Any) -> bool:
     return not value
 
 
-def check_stop(name: str, value: Any, limits: Limits, most: int = 4) -> list[str]:
+# What to do instead of JSON mode, which would need constrained decoding (docs/serve.md)
+JSON_INSTEAD = (
+    "give a tool whose parameters are the JSON schema (its call's arguments come back as "
+    "a JSON object), or ask for the JSON in the prompt"
+)
+
+
+def check_stop(name: str, value: Any, limits: Limits, most: int = 16) -> list[str]:
     """Stop strings: one string or an array of up to ``most``, each 1 to 1000 characters."""
     stops = [value] if isinstance(value, str) else value
     if len(stops) > most:
@@ -231,15 +240,15 @@ def _text_parts(where: str, parts: list[Any]) -> str:
     return "\n".join(texts)
 
 
+def _check_prompts(name: str, value: Any, limits: Limits) -> list[str | list[int]]:
+    """The prompts: a string or token ids (one prompt), or an array of those."""
+    if isinstance(value, list) and value and all(isinstance(x, (str, list)) for x in value):
+        return [_check_prompt(f"{name}[{i}]", x, limits) for i, x in enumerate(value)]
+    return [_check_prompt(name, value, limits)]
+
+
 def _check_prompt(name: str, value: Any, limits: Limits) -> str | list[int]:
-    """A string, or token ids; one prompt (an array of one string or one id array) too."""
-    if (
-        name == "prompt"
-        and isinstance(value, list)
-        and len(value) == 1
-        and isinstance(value[0], (str, list))
-    ):
-        return _check_prompt(f"{name}[0]", value[0], limits)
+    """A string, or token ids."""
     if isinstance(value, str):
         if not value:
             raise ApiError(
@@ -253,14 +262,6 @@ def _check_prompt(name: str, value: Any, limits: Limits) -> str | list[int]:
             "but got an empty array.",
             param=name,
             code="empty_array",
-        )
-    if all(isinstance(x, (str, list)) for x in value):
-        raise ApiError(
-            400,
-            f"Unsupported value: '{name}' holds {len(value)} prompts; this server takes one "
-            "prompt per request.",
-            param=name,
-            code="unsupported_value",
         )
     for i, token in enumerate(value):
         if not is_int(token) or not 0 <= token < limits.vocab:
@@ -282,11 +283,11 @@ def _text_format(value: dict[str, Any]) -> bool:
 FIELDS: dict[str, Spec] = {
     # what to complete
     "messages": Spec(("array",), required=True, check=_check_messages, only="chat"),
-    "prompt": Spec(("string", "array"), required=True, check=_check_prompt, only="completions"),
+    "prompt": Spec(("string", "array"), required=True, check=_check_prompts, only="completions"),
     "model": Spec(("string",)),  # any name: the server has one model
     # how long
-    "max_tokens": Spec(("integer",), lo=1, hi="max_tokens"),
-    "max_completion_tokens": Spec(("integer",), lo=1, hi="max_tokens"),
+    "max_tokens": Spec(("integer",), lo=0, hi="max_tokens"),  # 0: with echo only
+    "max_completion_tokens": Spec(("integer",), lo=0, hi="max_tokens"),
     "stop": Spec(("string", "array"), default=[], check=check_stop),
     # sampling (OpenAI's ranges)
     # not sent: the server's defaults (ServerOptions: --temp, --top-p, generation_config)
@@ -304,22 +305,20 @@ FIELDS: dict[str, Spec] = {
     "stream": Spec(("boolean",), default=False),
     "stream_options": Spec(("object",)),
     "user": Spec(("string",)),
-    "n": Spec(("integer",), default=1, lo=1, hi=128, supported=lambda v: v == 1,
-              unsupported="must be 1: this server returns one choice per request"),
+    "n": Spec(("integer",), default=1, lo=1, hi=MAX_CHOICES),
     "best_of": Spec(("integer",), default=1, lo=0, hi=20, only="completions",
                     supported=lambda v: v in (0, 1), unsupported="must be 1"),
-    "echo": Spec(("boolean",), default=False, only="completions", supported=_off,
-                 unsupported="is not supported by this server"),
+    "echo": Spec(("boolean",), default=False, only="completions"),
     "suffix": Spec(("string",), only="completions", supported=_off,
                    unsupported="is not supported by this server"),
-    "logprobs": Spec(("boolean",), default=False, only="chat", supported=_off,
-                     unsupported="is not supported by this server"),
-    "top_logprobs": Spec(("integer",), default=0, lo=0, hi=20, only="chat", supported=_off,
-                         unsupported="is not supported by this server"),
-    "logit_bias": Spec(("object",), supported=_off, unsupported="is not supported by this server"),
+    # log-probabilities (smoe/serve/logprobs.py)
+    "logprobs": Spec(("boolean",), default=False, only="chat"),
+    "top_logprobs": Spec(("integer",), default=0, lo=0, hi=MAX_TOP_LOGPROBS, only="chat"),
+    "logit_bias": Spec(("object",), default=(), check=check_logit_bias),
     "response_format": Spec(("object",), supported=_text_format,
                             unsupported="is not supported by this server beyond "
-                                        "{\"type\": \"text\"}"),
+                                        "{\"type\": \"text\"} (no constrained decoding): "
+                                        + JSON_INSTEAD),
     "tools": Spec(("array",), default=[], check=check_tools),
     "functions": Spec(("array",), supported=_off, unsupported="is not supported by this server"),
     "tool_choice": Spec(("string", "object"), default="auto",
@@ -328,15 +327,8 @@ FIELDS: dict[str, Spec] = {
                                     "(\"auto\") or calls none (\"none\")"),
 }
 # fmt: on
-# The completions endpoint's logprobs is a count (0..5), not a flag.
-COMPLETIONS_LOGPROBS = Spec(
-    ("integer",),
-    default=0,
-    lo=0,
-    hi=5,
-    supported=_off,
-    unsupported="is not supported by this server",
-)
+# The completions endpoint's logprobs is a count (0..5), not a flag (not sent: none).
+COMPLETIONS_LOGPROBS = Spec(("integer",), lo=0, hi=5)
 
 
 def validate_request(body: dict[str, Any], endpoint: str, limits: Limits) -> dict[str, Any]:
@@ -346,7 +338,9 @@ def validate_request(body: dict[str, Any], endpoint: str, limits: Limits) -> dic
     table = {name: spec for name, spec in FIELDS.items() if spec.only in (None, endpoint)}
     if endpoint == "completions":
         table["logprobs"] = COMPLETIONS_LOGPROBS
-    return validate_fields(body, table, limits)
+    fields = validate_fields(body, table, limits)
+    check_together(fields, endpoint, limits)
+    return fields
 
 
 def validate_fields(

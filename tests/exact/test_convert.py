@@ -267,7 +267,7 @@ def test_a_download_given_where_a_vault_is_needed_names_convert(hf_dir, run_cli)
     """`smoe shard` and the like take vaults only: a checkpoint folder is named as such."""
     src = hf_dir("olmoe")
     code, _, err = run_cli("shard", src, src.parent / "shard", "--ranks", "2", "--rank", "0")
-    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert code == 1 and len(err.strip().splitlines()) == 1
     assert f"{src} is a checkpoint folder, not a vault" in err
     assert f"run 'smoe convert {src} VAULT' first" in err
 

@@ -395,7 +395,7 @@ def test_generate_cli_reports_the_drafts(vault, run_cli):
     stats = json.loads(out)["stats"]["draft"]
     assert stats["verify_passes"] + stats["plain_steps"] >= 1
     code, _, err = run_cli("generate", vault.path, "--prompt-ids", "3,4", "--draft-tokens", "0")
-    assert code == 2 and "draft_tokens must lie in 1..32" in err
+    assert code == 1 and "draft_tokens must lie in 1..32" in err
 
 
 # ---------------------------------------------------------------- the batcher's hook

@@ -171,7 +171,7 @@ def test_kv_bits_is_refused_on_cuda_where_mlx_lm_cannot_run_it(kv_bits, models, 
     for command in ("generate", "plan"):
         extra = ["--prompt-ids", "5,6"] if command == "generate" else ["--no-compute"]
         code, _, err = run_cli(command, vault.path, *extra, "--kv-bits", str(kv_bits))
-        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert code == 1 and len(err.strip().splitlines()) == 1
         assert "--kv-bits does not run on a CUDA GPU" in err
 
 

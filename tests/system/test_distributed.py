@@ -271,7 +271,7 @@ def test_a_killed_rank_ends_the_group_with_one_line_on_rank_0(vault, tmp_path):
     started = time.monotonic()
     (rc, _, stderr), _ = finish([rank0, rank1], timeout=60)
     assert time.monotonic() - started < 60
-    assert rc == 2, stderr[-3000:]
+    assert rc == 1, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "group broke" in lines[0], stderr[-3000:]
     assert "Traceback" not in stderr
@@ -292,7 +292,7 @@ def test_a_hung_rank_ends_the_group_after_the_collective_timeout(vault, tmp_path
     finally:
         rank1.kill()
     stderr = rank0.stderr.read() if rank0.stderr is not None else ""
-    assert rc == 2 and time.monotonic() - started < 30, stderr[-3000:]
+    assert rc == 1 and time.monotonic() - started < 30, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "waited more than 3 s" in lines[0], stderr[-3000:]
     finish([rank0, rank1], timeout=30)
@@ -340,17 +340,17 @@ def test_bad_shard_requests_and_entries_are_one_line_errors(vault, shards, tmp_p
         (["--ranks", "0", "--rank", "0"], "--ranks 1.."),
     ]:
         code, _, err = run_cli("shard", str(vault.path), str(tmp_path / "x"), *args)
-        assert code == 2 and said in err
+        assert code == 1 and said in err
     code, _, err = run_cli(
         "shard", str(shards[0].path), str(tmp_path / "y"), "--ranks", "2", "--rank", "0"
     )
-    assert code == 2 and "already a shard" in err
+    assert code == 1 and "already a shard" in err
     code, _, err = run_cli(
         "shard", str(vault.path), str(shards[1].path), "--ranks", "2", "--rank", "1"
     )
-    assert code == 2 and "--force" in err
+    assert code == 1 and "--force" in err
     code, _, err = run_cli("export", str(shards[0].path), str(tmp_path / "mlx"))
-    assert code == 2 and "is a shard" in err
+    assert code == 1 and "is a shard" in err
     raw = json.loads((shards[0].path / "manifest.json").read_text())
     for edit, said in [  # each re-signed: only the validation can refuse it
         (lambda d: d["shard"].update(rank=5), "shard.rank"),
@@ -393,7 +393,7 @@ def test_a_shard_run_alone_is_one_line_naming_distributed(shards, tmp_path, run_
         code, out, err = run_cli(
             "generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2"
         )
-        assert code == 2 and out == "", (out, err)
+        assert code == 1 and out == "", (out, err)
         assert f"shard of rank {rank} of 2" in err and "--distributed" in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -429,7 +429,7 @@ def test_a_rank_given_another_ranks_shard_is_refused_on_every_rank(shards, tmp_p
         [a.replace("rank{rank}", "rank1") for a in args] + ["--distributed"], tmp_path
     )
     for rc, _, stderr in finish(swapped, timeout=120):
-        assert rc == 2 and "opened the shard cut for rank 1 of 2" in stderr, stderr[-2000:]
+        assert rc == 1 and "opened the shard cut for rank 1 of 2" in stderr, stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- serve across ranks

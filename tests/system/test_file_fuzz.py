@@ -7,8 +7,9 @@ run through the CLI in a worker process (this file run as a script), one JSON li
 case, so that a crash or a hang fails the test naming the case. A vault case runs `smoe
 generate --json`, and again `smoe export`; a shard case runs `smoe inspect --verify` (a
 shard runs only under mlx.launch with its other ranks). A case passes when it exits 0 with
-the undamaged vault's tokens (an export: its files byte for byte), or exits 2 with our
-one-line error; a traceback, another exit code, a hang or other output fail it.
+the undamaged vault's tokens (an export: its files byte for byte), or exits 1 with our
+one-line error (a shard's --verify: or its bad records); a traceback, another exit code,
+a hang or other output fail it.
 
     python tests/test_file_fuzz.py VAULT WORKDIR [generate|export|shard]   # the worker
 """
@@ -152,14 +153,12 @@ def _run(folder: Path, mode: str) -> tuple[int, Any, str]:
         shutil.rmtree(out, ignore_errors=True)
         code, _, err = _cli(["export", str(folder), str(out)])
         return code, _exported(out) if code == 0 else None, err
-    if shard:  # exit 1: a file or record reported BAD (on stdout)
+    if shard:  # exit 1: a file or record reported BAD (on stdout), or our one-line error
         code, out, err = _cli(["inspect", str(folder), "--verify"])
         bad = [line for line in out.splitlines() if line.startswith("BAD")]
-        return (
-            code,
-            None,
-            err if code != 1 else "\n".join(bad) + ("\n" + err if "Traceback" in err else ""),
-        )
+        if code != 1 or not bad:
+            return code, None, err
+        return code, None, "\n".join(bad) + ("\n" + err if "Traceback" in err else "")
     code, out, err = _cli(
         ["generate", str(folder), "--prompt-ids", PROMPT, "--max-tokens", "3", "--json"]
     )
@@ -190,8 +189,9 @@ def _worker(folder: Path, work: Path, mode: str) -> None:
         lines = [x for x in err.splitlines() if x.strip()]
         if code == 0:
             outcome = "same" if got == baseline else "different"
-        elif code in ((1, 2) if shard else (2,)) and lines and "Traceback" not in err:
-            outcome = "refused" if code == 1 or len(lines) <= 2 else "traceback"
+        elif code == 1 and lines and "Traceback" not in err:  # a refusal, or bad records
+            reported = shard and lines[0].startswith("BAD")
+            outcome = "refused" if reported or len(lines) <= 2 else "traceback"
         else:
             outcome = "traceback"
         ms = round(1000 * (time.perf_counter() - start), 1)

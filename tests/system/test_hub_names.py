@@ -55,5 +55,5 @@ def test_a_hub_name_runs_from_its_cached_snapshot(hub_cache, run_cli):
 
 def test_a_hub_name_not_downloaded_names_the_fix(hub_cache, run_cli):
     code, _, err = run_cli("generate", "smoe-tests/not-there", "--prompt-ids", "5")
-    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert "hf download smoe-tests/not-there" in err and "--download" in err

@@ -291,9 +291,9 @@ async def test_text_parts_penalties_and_unsupported_fields(vault):
         )
         assert penalized.usage.completion_tokens >= 1
         for extra, needle in [
-            ({"logprobs": True}, "logprobs"),
+            ({"top_logprobs": 2}, "logprobs"),  # (without logprobs: true)
             ({"tools": [{"type": "function"}]}, "tools"),
-            ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+            ({"stop": [str(i) for i in range(17)]}, "stop"),  # (16 at most)
             ({"presence_penalty": 3}, "presence_penalty"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ]:
@@ -433,7 +433,7 @@ MALFORMED = {
         "messages[0].role",
         "user",
     ),
-    "two prompts in n": (_chat_with("n", "2"), None, 400, "n", "1"),
+    "more choices than 128": (_chat_with("n", "129"), None, 400, "n", "128"),
 }
 
 

@@ -1,7 +1,7 @@
 """`smoe serve` continues a reply its client sends back from the ids it generated
 (``PrefixCache.follow_up``, ``smoe.engine.conversation.follow_up_prompt``): only the new turn is
-prefilled. A reply the client changed, one cut inside a token by a stop string, or one
-whose text is not what its ids decode to is never taken for ours."""
+prefilled. A reply the client changed, or one cut inside a token by a stop string (its
+text is not what any of its ids decode to), is never taken for ours."""
 
 from __future__ import annotations
 
@@ -340,30 +340,31 @@ async def test_a_reply_the_client_changed_is_not_taken_for_ours(vault, monkeypat
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "streaming"])
-async def test_a_reply_whose_text_is_not_what_its_ids_decode_to_is_not_kept(
-    vault, monkeypatch, stream
-):
-    """mlx-lm's detokenizer drops the leading space of a reply's first token: the client
-    gets a text its ids do not decode to. The server keeps no reply for it, so neither that
-    text nor the ids' own text (never sent) is continued from those ids."""
+async def test_a_reply_starting_with_a_space_is_kept_with_its_space(vault, monkeypatch, stream):
+    """A reply whose first token starts with a space: the client gets its ids' whole text,
+    space included (issue 51: mlx-lm's detokenizer dropped it, and no reply was kept).
+    Sent back verbatim it is continued from its ids; without its space it is not ours,
+    and the messages are templated whole."""
     async with pair(vault, monkeypatch) as (tok, srv, ref):
         history = [{"role": "user", "content": "No"}]
-        for sent in (lambda t: t, lambda t: " " + t):
+        for sent, ours in ((lambda t: t[1:], False), (lambda t: t, True)):
             first = await chat(srv, history, stream)
             n = first.usage["completion_tokens"]
             decoded = tok.decode(stream_of(srv, first, n)[-n:])
-            assert decoded == " " + first.text  # the premise: the space was dropped
-            assert srv.last().reply is None
+            assert decoded == first.text and first.text.startswith(" ")
+            assert srv.last().reply is not None
             follow = [
                 *history,
                 {"role": "assistant", "content": sent(first.text)},
                 {"role": "user", "content": "And then?"},
             ]
             got = await chat(srv, follow, stream)
-            want = await chat(ref, follow, False)
-            assert got.usage["prompt_tokens"] == len(templated(tok, follow))
-            assert (got.text, got.finish) == (want.text, want.finish)
-        assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 0
+            whole = len(templated(tok, follow))
+            assert (got.usage["prompt_tokens"] == whole) is not ours
+            if not ours:
+                want = await chat(ref, follow, False)
+                assert (got.text, got.finish) == (want.text, want.finish)
+        assert (await srv.stats())["prefix_cache"]["reply_follow_ups"] == 1
 
 
 # ------------------------------------------------------------------ (c) stop strings

@@ -46,7 +46,7 @@ def smallest_budget(run_cli, vault: Path) -> int:
         "serve", vault, "--memory", "1MB", "--port", "0", "--max-connections", MAX_CONNECTIONS
     )
     named = re.search(r"smallest that works is --memory (\d+)MB", err)
-    assert code == 2 and named is not None, err
+    assert code == 1 and named is not None, err
     return int(named.group(1)) * 10**6
 
 

@@ -53,8 +53,8 @@ def _start_serving(
     for line in proc.stderr:
         # the start line names each API's base
         found = re.search(
-            r"on (http://[^\s:]+):(\d+): OpenAI \S+/v1, Anthropic \S+/v1/messages, "
-            r"Ollama \S+/api;",
+            r"on (http://[^\s:]+):(\d+) \(base URLs: OpenAI \S+/v1, Anthropic \S+, "
+            r"Ollama \S+\);",
             line,
         )
         if found:

@@ -51,7 +51,7 @@ def signed_edit(vault_dir: Path, fn: Callable[[dict[str, Any]], None]) -> None:
 
 def one_line(code: int, err: str) -> bool:
     lines = [x for x in err.splitlines() if x.strip()]
-    return code == 2 and len(lines) == 1 and "Traceback" not in err
+    return code == 1 and len(lines) == 1 and "Traceback" not in err
 
 
 # ------------------------------------------------------------- item 4: source.copied
@@ -215,7 +215,7 @@ def test_an_engine_that_fails_to_open_exits_with_its_one_line(made, tmp_path):
     MLX: the process printed the one line, then one run in two died in MLX's thread-local
     destructors as the interpreter finalized ("terminate called without an active
     exception", exit 134). Six runs one after another (the race needs an idle machine:
-    runs side by side hid it), each must exit 2 with the line alone."""
+    runs side by side hid it), each must exit 1 with the line alone."""
     vault, _ = made
     v = tmp_path / "v"
     shutil.copytree(vault, v)

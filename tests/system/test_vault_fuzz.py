@@ -639,7 +639,7 @@ def test_offset_2_63_is_a_vault_error_not_a_crash(vault, tmp_path):
         cwd=REPO,
         timeout=300,
     )
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert "offset" in proc.stderr and "convert the model again" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -724,7 +724,7 @@ async def test_bit_rot_under_unchanged_metadata_fails_the_first_request(
 def test_export_of_a_damaged_vault_is_refused_and_writes_nothing(vault, tmp_path, run_cli, where):
     """`smoe export` of a vault with a flipped byte exited 0, and mlx-lm then produced
     [0, 0, 0, ...] (issue 30). Now the bytes are checked as they are copied: one line,
-    exit 2, no folder (and the files it writes are fsynced)."""
+    exit 1, no folder (and the files it writes are fsynced)."""
     bad = _copy(vault, tmp_path)
     m = vault.manifest
     if where == "record":
@@ -733,7 +733,7 @@ def test_export_of_a_damaged_vault_is_refused_and_writes_nothing(vault, tmp_path
         _flip(bad / "backbone.safetensors", (bad / "backbone.safetensors").stat().st_size - 100)
     out = tmp_path / "mlx"
     code, _, err = run_cli("export", bad, out)
-    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "does not match its checksum" in err
     assert not out.exists() and not list(tmp_path.glob(".mlx*"))
     code, _, err = run_cli("export", vault.path, out)  # the good vault exports

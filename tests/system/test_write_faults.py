@@ -1,6 +1,6 @@
 """Writing a vault, a shard or an mlx-lm export when the disk says no (issue 49): a full
 disk, an I/O error, a failed fsync or rename, a target that cannot be made. Each is one
-line naming the output, the path and the errno, exit 2, and nothing is left beside the
+line naming the output, the path and the errno, exit 1, and nothing is left beside the
 target; what killed runs left there is swept by the next run, as `smoe convert` does.
 
 Faults are injected where the writers call the system (os.fsync, os.rename, os.mkdir, the
@@ -122,7 +122,7 @@ def test_write_errors_are_one_line_and_leave_nothing(made, tmp_path, run_cli, mo
                     continue
             lines = [x for x in err.splitlines() if x.strip()]
             name = errno.errorcode[code]
-            if status != 2 or len(lines) != 1 or name not in lines[0] or str(out) not in lines[0]:
+            if status != 1 or len(lines) != 1 or name not in lines[0] or str(out) not in lines[0]:
                 bad.append(f"{case}: exit {status}: {err[-300:]}")
             if os.listdir(work):
                 bad.append(f"{case}: left {os.listdir(work)}")
@@ -143,7 +143,7 @@ def test_unwritable_targets_are_one_line(made, tmp_path, run_cli):
                 bad.append(f"{command} {target}: {type(e).__name__}: {e}")
                 continue
             lines = [x for x in err.splitlines() if x.strip()]
-            if status != 2 or len(lines) != 1 or str(target.parent) not in lines[0]:
+            if status != 1 or len(lines) != 1 or str(target.parent) not in lines[0]:
                 bad.append(f"{command} {target}: exit {status}: {err[-300:]}")
     assert not bad, "\n".join(bad)
     assert os.listdir(tmp_path) == ["a-file"] and a_file.read_text() == "not a folder"

@@ -197,7 +197,7 @@ def test_cli_generate_json(vault, run_cli):
 )
 def test_cli_generate_errors(vault, run_cli, args, needle):
     code, _, err = run_cli("generate", vault.path, *args)
-    assert code == 2 and needle in err and "Traceback" not in err
+    assert code == 1 and needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
 
 

@@ -275,11 +275,11 @@ async def test_a_flipped_byte_is_a_clean_checksum_error_not_a_computation(vault,
             assert engine.debug.ring.pending() == 0  # nothing unverified was left to commit
 
 
-def test_cli_generate_on_a_corrupt_vault_prints_one_line_and_exits_2(vault, tmp_path, run_cli):
+def test_cli_generate_on_a_corrupt_vault_prints_one_line_and_exits_1(vault, tmp_path, run_cli):
     m = vault.manifest
     bad = corrupt(vault, tmp_path / "bad", list(range(m.num_records)))
     code, out, err = run_cli("generate", bad.path, "--prompt-ids", "5,6,7", "--max-tokens", "4")
-    assert code == 2
+    assert code == 1
     lines = [line for line in err.splitlines() if line.startswith("smoe generate: error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "does not match its" in lines[0] and f"smoe inspect {bad.path} --verify" in lines[0]
@@ -289,7 +289,7 @@ def test_cli_generate_on_a_corrupt_vault_prints_one_line_and_exits_2(vault, tmp_
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
-def test_an_eio_from_the_kernel_is_one_line_and_exit_2(vault):
+def test_an_eio_from_the_kernel_is_one_line_and_exit_1(vault):
     """strace makes the kernel fail preadv2 (os.preadv's syscall) with EIO from each
     thread's 3rd call on (strace counts per thread: the main thread's one call is the
     O_DIRECT probe at open, the I/O threads' are expert reads)."""
@@ -297,10 +297,10 @@ def test_an_eio_from_the_kernel_is_one_line_and_exit_2(vault):
     cmd += ["-e", "inject=preadv2:error=EIO:when=3+", sys.executable, "-m", "smoe.cli"]
     cmd += ["generate", str(vault.path), "--prompt-ids", "5,6,7", "--max-tokens", "4"]
     done = subprocess.run([*cmd, "--slots", "8"], capture_output=True, text=True, timeout=300)
-    if done.returncode != 2 and "strace:" in done.stderr:
+    if done.returncode != 1 and "strace:" in done.stderr:
         pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:300]}")
     lines = [line for line in done.stderr.splitlines() if line.startswith("smoe generate: error:")]
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     line = lines[0]
     assert "Input/output error (EIO)" in line and str(vault.experts_path) in line

@@ -471,7 +471,7 @@ async def test_truncated_vault_names_the_record(q4, tmp_path, keep):
         with pytest.raises(VaultReadError) as e:
             await reader.read(last, 0)
     err = e.value
-    assert isinstance(err, SmoeError) and not isinstance(err, OSError)  # one line, exit 2
+    assert isinstance(err, SmoeError) and not isinstance(err, OSError)  # one line, exit 1
     assert f"(record {last}, bytes" in str(err) and "truncated" in str(err)
     assert f"expert {expert} of layer {layer}" in str(err) and str(vault.experts_path) in str(err)
     assert f"smoe inspect {vault.path} --verify" in str(err) and "\n" not in str(err)

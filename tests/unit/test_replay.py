@@ -439,4 +439,4 @@ def test_bench_policy_cli_foresight(tmp_path, capsys) -> None:
     trace = report["trace"]
     assert (trace["hint_depth"], trace["echo"], trace["lookahead"]) == (6, 2, "recorded")
     assert "lfu+hint+lookahead" in report["rings"][0]["foresight"]
-    assert "prefetch line" in capsys.readouterr().out
+    assert "prefetch line" in capsys.readouterr().err  # the table: stdout is JSON lines
