@@ -83,14 +83,15 @@ class ChatApp:
         engine: Engine,
         conversation: Conversation,
         *,
-        out: TextIO = sys.stdout,
+        out: TextIO | None = None,
         history: History | None = None,
         session_kwargs: dict[str, Any] | None = None,
         sampling: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.conv = conversation
-        self.out = out
+        # sys.stdout as it is now, not as it was at import (a redirect made since counts)
+        self.out = out if out is not None else sys.stdout
         self.sampling = sampling or {}
         self._history = history or InMemoryHistory()
         self._session_kwargs = session_kwargs or {}

@@ -56,3 +56,18 @@ async def test_a_cancelled_reply_leaves_no_figures_in_the_status_bar(vault):
         assert "tok/s" not in status and "reply cancelled" in status, status
         details = app.stats_text()  # the figures there are labelled as the reply's before
         assert "last reply: cancelled, so no figures; the one before it:" in details
+
+
+async def test_the_chat_writes_to_the_stdout_of_when_it_is_made(monkeypatch):
+    """The default output is sys.stdout when the chat is made, not when its module was
+    imported: a redirect made in between (a test's capture, a caller's) gets the replies."""
+    import io
+
+    from smoe.chat.repl import ChatApp
+
+    later = io.StringIO()
+    monkeypatch.setattr("sys.stdout", later)
+    app = ChatApp.__new__(ChatApp)
+    ChatApp.__init__(app, engine=None, conversation=None)  # type: ignore[arg-type]
+    app.say("hello")
+    assert later.getvalue() == "hello\n"
