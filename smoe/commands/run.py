@@ -791,12 +791,10 @@ def add_chat(sub: Any) -> None:
 def add_serve(sub: Any) -> None:
     """`smoe serve` and its options."""
     sv = sub.add_parser("serve", help="an HTTP server: OpenAI, Anthropic Messages and Ollama APIs")
-    sv.add_argument(
-        "vault",
-        type=Path,
-        nargs="?",
-        default=None,
-        help="a vault, or a downloaded checkpoint folder (default: the built-in demo)",
+    add_model(  # llama-server's -m, as generate and chat take it
+        sv,
+        help="a vault, or a downloaded checkpoint folder",
+        default="default: the built-in demo",
     )
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
@@ -921,4 +919,4 @@ def add_serve(sub: Any) -> None:
     _warm_up_option(sv)
     _download_option(sv)
     _memory_option(sv)
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=cmd_serve, settle=settle_chat)  # (MODEL optional, as in chat)

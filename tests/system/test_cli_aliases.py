@@ -53,6 +53,12 @@ def test_chat_and_plan_take_them_too():
     )
 
 
+def test_serve_takes_llama_servers_model_flag():
+    for argv in (("serve", "M"), ("serve", "-m", "M"), ("serve", "--model", "M", "-c", "512")):
+        assert parse(*argv).vault == Path("M")
+    assert parse("serve").vault is None  # the demo
+
+
 def test_a_positional_prompt_is_the_prompt(run_cli):
     vault = str(demo_vault())
     runs = [
