@@ -26,9 +26,9 @@ from mlx_lm.models.cache import trim_prompt_cache
 import smoe.util.loop
 from smoe.bench.resident import fill_ring
 from smoe.compute.rowwise import RowCaches
-from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, solo_rows
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.format import Vault
 
 
@@ -97,8 +97,8 @@ async def main() -> None:
     every = Vault.open(args.vault).manifest.num_records
     async with Engine.open(args.vault, slots=every, device=args.device, max_batch=8) as engine:
         await fill_ring(engine)
-        runs = await engine.compute.run(
-            build_times, engine.runner, rows, args.repeats, engine.rules
+        runs = await engine.debug.compute.run(
+            build_times, engine.debug.runner, rows, args.repeats, engine.debug.runner.rules
         )
     harness.report(
         {"benchmark": "batch_build_cost", "vault": args.vault, "device": args.device, "runs": runs},

@@ -80,7 +80,7 @@ def drafting_for(mode: str, truth: list[int], vocab: int, k: int) -> Drafting | 
 async def one(vault: str, ring: dict, ids: list[int], tokens: int, drafting):
     options = {"draft": "ngram"} if drafting is not None else {}
     async with Engine.open(vault, **ring, **options) as engine:
-        engine.runner.drafting = drafting  # the engine's drafted steps use it
+        engine.debug.runner.drafting = drafting  # the engine's drafted steps use it
         out, stats = [], None
         async for event in engine.generate(ids, max_tokens=tokens, stop_at_eos=False):
             if event.token is not None:
@@ -88,11 +88,11 @@ async def one(vault: str, ring: dict, ids: list[int], tokens: int, drafting):
             if event.stats is not None:
                 stats = event.stats
         assert stats is not None
-        drafting = engine.runner.drafting
+        drafting = engine.debug.runner.drafting
         return out, {
             "decode_tok_s": stats.decode_tok_s,
             "decode_bytes_per_token": stats.decode_bytes_per_token,
-            "slots": engine.ring.num_slots,
+            "slots": engine.debug.ring.num_slots,
             **({"draft": drafting.stats.to_json()} if drafting is not None else {}),
         }
 

@@ -64,17 +64,17 @@ async def main() -> None:
         ids = engine.encode(text)
         windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
         windows = [w for w in windows if len(w) == args.window][: args.windows]
-        engine.start_recording(depth=experts)
+        engine.learning.start_recording(depth=experts)
         for w in windows:
             await engine.logits(w)
-        held = as_decode(engine.stop_recording())
+        held = as_decode(engine.learning.stop_recording())
         held.meta["source"] = "kjv-demo held-out text"
         report["heldout"] = {
             "path": str(held.save(args.out / "heldout.npz")),
             "tokens": held.num_tokens,
         }
         verses = [line for line in text.split(". ") if 40 < len(line) < 200][: args.chats]
-        engine.start_recording(depth=experts)
+        engine.learning.start_recording(depth=experts)
         for i, verse in enumerate(verses):
             prompt = engine.conversation().template([{"role": "user", "content": verse + "."}])
             events = engine.generate(
@@ -87,12 +87,12 @@ async def main() -> None:
             )
             async for _ in events:
                 pass
-        chats = engine.stop_recording()
+        chats = engine.learning.stop_recording()
         chats.meta["source"] = f"kjv-demo {len(verses)} chats x {args.reply} sampled tokens"
         report["chats"] = {
             "path": str(chats.save(args.out / "chats.npz")),
             "tokens": chats.num_tokens,
-            "lookahead_recall": engine.tracer.lookahead_recall,
+            "lookahead_recall": engine.debug.tracer.lookahead_recall,
         }
     harness.report(report, args)
 

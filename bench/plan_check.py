@@ -48,7 +48,7 @@ async def measure(
     async with Engine.open(vault.path, memory=memory, **options) as engine:
         assert engine.fit is not None
         chunk = engine.options.prefill_chunk
-        if engine.ring.num_slots >= vault.manifest.num_records:
+        if engine.debug.ring.num_slots >= vault.manifest.num_records:
             await fill_ring(engine)
         for i in range(repeats + 1):  # the first warms the ring and compiles kernels
             prompt = random_prompt(vault, args.chunks * chunk + 1, seed=100 + i)
@@ -64,7 +64,7 @@ async def measure(
                         "MB_per_token": round(stats.decode_bytes_per_token / 1e6, 3),
                     }
                 )
-        slots = engine.ring.num_slots
+        slots = engine.debug.ring.num_slots
     return {"ring_slots": slots, "runs": runs}
 
 

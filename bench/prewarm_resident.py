@@ -23,7 +23,7 @@ from smoe.sched.types import Priority
 
 async def drain(engine: Engine) -> None:
     """Until the pre-warm reads are done (real I/O threads: poll the scheduler)."""
-    sched = engine.scheduler
+    sched = engine.debug.scheduler
     while sched.in_flight or sched.queue_depth(Priority.SPECULATIVE):  # noqa: ASYNC110
         await asyncio.sleep(0.005)
 
@@ -31,10 +31,12 @@ async def drain(engine: Engine) -> None:
 async def run(vault: str, prewarm: bool, tokens: int) -> dict:
     async with Engine.open(vault) as engine:
         every = engine.vault.manifest.num_records
-        if engine.scheduler.num_slots < every:
-            raise SystemExit(f"the default ring holds {engine.scheduler.num_slots} of {every}")
+        if engine.debug.scheduler.num_slots < every:
+            raise SystemExit(
+                f"the default ring holds {engine.debug.scheduler.num_slots} of {every}"
+            )
         if prewarm:
-            engine.prewarm()
+            engine.learning.prewarm()
             await drain(engine)
         async for _ in engine.generate([9, 8, 7], max_tokens=4, stop_at_eos=False):
             pass  # compiled kernels
@@ -49,7 +51,7 @@ async def run(vault: str, prewarm: bool, tokens: int) -> dict:
         return {
             "prewarm": prewarm,
             "decode_tok_s": round(stats.decode_tok_s, 1),
-            "resident": bool(engine.runner.resident and engine.runner.resident()),
+            "resident": bool(engine.debug.runner.resident and engine.debug.runner.resident()),
             "tokens": out,
         }
 

@@ -27,8 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 import smoe.util.loop
 from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]
@@ -145,20 +145,22 @@ async def main() -> None:
         for _ in range(args.rounds + 1):
             rounds.append(
                 {
-                    "runner_ms": await engine.compute.run(runner_ms, engine.runner, args.tokens),
+                    "runner_ms": await engine.debug.compute.run(
+                        runner_ms, engine.debug.runner, args.tokens
+                    ),
                     "engine_ms": await engine_ms(engine, args.tokens),
-                    "mlx_lm_ms": await engine.compute.run(mlx_lm_ms, reference, args.tokens),
+                    "mlx_lm_ms": await engine.debug.compute.run(mlx_lm_ms, reference, args.tokens),
                 }
             )
         warm_up = rounds.pop(0)
-        ours = await engine.compute.run(engine_graph_cost, engine.runner, args.tokens)
+        ours = await engine.debug.compute.run(engine_graph_cost, engine.debug.runner, args.tokens)
 
         def reference_cost() -> dict[str, Any]:
             cache = make_prompt_cache(reference)
             mx.eval(reference(mx.array([PROMPT]), cache=cache))
             return timed(reference, cache, args.tokens)
 
-        theirs = await engine.compute.run(reference_cost)
+        theirs = await engine.debug.compute.run(reference_cost)
     medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
     harness.report(
         {

@@ -127,12 +127,12 @@ async def main() -> None:
             clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn)
 
         async def round_(n: int, batch: int, prompts: list[list[int]]) -> dict:
-            engine.batcher.max_batch = batch
-            sched = engine.scheduler.stats
+            engine.debug.batcher.max_batch = batch
+            sched = engine.debug.scheduler.stats
             bytes0, steps0, rows0 = (
                 sched.bytes_read(),
-                engine.batcher.steps,
-                engine.batcher.step_rows,
+                engine.debug.batcher.steps,
+                engine.debug.batcher.step_rows,
             )
             engine.debug.runner.timeline.clear()
             if clients is None:
@@ -142,7 +142,7 @@ async def main() -> None:
                     clients, drive_in_process, url, prompts, args.max_tokens
                 )
             tokens = sum(t for t, _, _ in results)
-            steps = engine.batcher.steps - steps0
+            steps = engine.debug.batcher.steps - steps0
             return {
                 "clients": n,
                 "max_batch": batch,
@@ -150,7 +150,7 @@ async def main() -> None:
                 "seconds": round(seconds, 3),
                 "total_tok_s": round(tokens / seconds, 2),
                 "mean_ttft_s": round(sum(t for _, t, _ in results) / n, 3),
-                "rows_per_step": round((engine.batcher.step_rows - rows0) / max(steps, 1), 2),
+                "rows_per_step": round((engine.debug.batcher.step_rows - rows0) / max(steps, 1), 2),
                 "mb_read_per_token": round((sched.bytes_read() - bytes0) / tokens / 1e6, 2),
                 "steps": engine.stats().steps,
                 "texts": [x for _, _, x in results],
@@ -192,8 +192,8 @@ async def main() -> None:
         for r in rows:
             if r["max_batch"] > 1 and single is not None:
                 r["vs_single_client"] = round(r["total_tok_s"] / single, 2)
-        ring = {"slots": engine.ring.num_slots, "experts": engine.vault.manifest.num_records}
-        rules = None if engine.rules is None else engine.rules.measured
+        ring = {"slots": engine.debug.ring.num_slots, "experts": engine.vault.manifest.num_records}
+        rules = None if engine.debug.runner.rules is None else engine.debug.runner.rules.measured
     harness.report(
         {
             "benchmark": "serve_clients",

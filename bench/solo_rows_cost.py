@@ -40,9 +40,11 @@ async def decode(vault: str, device: str | None, rules: bool | None, prompt, n: 
                     stats = ev.stats
         assert stats is not None
         return {
-            "rules": None if engine.rules is None else engine.rules.measured,
+            "rules": None
+            if engine.debug.runner.rules is None
+            else engine.debug.runner.rules.measured,
             "decode_tok_s": round(stats.decode_tok_s, 2),
-            "built_ahead": engine.runner.built_ahead,
+            "built_ahead": engine.debug.runner.built_ahead,
             "tokens": tokens,
         }
 

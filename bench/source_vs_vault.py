@@ -97,8 +97,8 @@ async def one_run(path: Path, prompt: list[int], tokens: int, slots: int) -> dic
             stats = ev.stats or stats
         assert stats is not None
         # A vault reads one record per read; a source as many extents as its index says.
-        records = getattr(engine.reader, "records", None)
-        reads = getattr(engine.reader, "reads", None)
+        records = getattr(engine.debug.reader, "records", None)
+        reads = getattr(engine.debug.reader, "reads", None)
         return {
             "tokens": out,
             "decode_tok_s": stats.decode_tok_s,
@@ -108,9 +108,9 @@ async def one_run(path: Path, prompt: list[int], tokens: int, slots: int) -> dic
             "decode_io_wait_share": stats.decode_io_wait_share,
             "records_read": records,
             "reads": reads,
-            "slots": engine.ring.num_slots,
-            "ring": engine.ring.kind,
-            "direct_io": engine.reader.direct,
+            "slots": engine.debug.ring.num_slots,
+            "ring": engine.debug.ring.kind,
+            "direct_io": engine.debug.reader.direct,
         }
 
 

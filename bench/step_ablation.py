@@ -27,8 +27,9 @@ from mlx_lm.models.cache import make_prompt_cache
 import smoe.util.loop
 from smoe.bench.resident import fill_ring
 from smoe.compute.model import resident_model
-from smoe.compute.runner import Runner, SamplingParams
+from smoe.compute.runner import Runner
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.format import Vault
 
 PROMPT = [5, 17, 99, 300, 42, 7, 250, 600]

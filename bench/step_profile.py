@@ -25,8 +25,8 @@ import harness
 
 import smoe.util.loop
 from smoe.bench.generate import random_prompt, ring_options
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.format import Vault
 
 # part -> (file suffix, function name) whose cumulative time it is
@@ -88,8 +88,10 @@ async def main() -> None:
     async with Engine.open(args.vault, device=args.device, **ring) as engine:
         async for _ in engine.generate(first, max_tokens=32, stop_at_eos=False):
             pass
-        wall, stats = await engine.compute.run(profile_steps, engine.runner, second, args.steps)
-        resident = engine.runner.resident is not None and engine.runner.resident()
+        wall, stats = await engine.debug.compute.run(
+            profile_steps, engine.debug.runner, second, args.steps
+        )
+        resident = engine.debug.runner.resident is not None and engine.debug.runner.resident()
     parts = parts_of(stats, args.steps)
     harness.report(
         {

@@ -24,9 +24,11 @@ from typing import Any
 
 import smoe.util.loop
 from smoe.commands.bench import add_bench
+from smoe.commands.chat import add_chat
+from smoe.commands.generate import add_generate
 from smoe.commands.options import usage_errors_name_the_command
 from smoe.commands.plan import add_plan
-from smoe.commands.run import add_chat, add_generate, add_serve
+from smoe.commands.serve import add_serve
 from smoe.commands.vault import add_convert, add_export, add_inspect, add_shard, add_synth
 from smoe.errors import SmoeError, Stopped
 

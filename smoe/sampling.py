@@ -1,6 +1,6 @@
 """How the next token is chosen: ``SamplingParams``, checked once, shared by the engine,
 the compute thread and the servers. No MLX here: the surfaces import it without the
-model code (the samplers themselves are mlx-lm's, built in smoe.compute.runner)."""
+model code (the samplers themselves are mlx-lm's, built in smoe.compute.sampler)."""
 
 from __future__ import annotations
 

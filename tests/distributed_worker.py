@@ -32,23 +32,23 @@ async def main(
     whole: bool = False,
 ) -> None:
     async with Engine.open(vault, slots=slots, distributed="any") as engine:
-        assert engine.ranks is not None
+        assert engine.group.distributed
         if whole:  # the GPU's way on any device: each layer in one call, as mlx-lm makes it
             for module in engine.debug.runner.model.modules():
                 if isinstance(module, StreamingExperts):
                     module.overlap = False
-        rank = engine.ranks.rank
+        rank = engine.group.rank
         logits = await engine.logits(prompt)
         step_logits, picks = await engine_decode(engine, prompt, forced)
         tokens = await engine_generate(engine, prompt, steps)
         full = await engine.logits(prompt + tokens)
-        io = await engine.rank_stats()
+        io = await engine.group.rank_stats()
         np.savez(out / f"rank{rank}.npz", logits=logits, steps=np.stack(step_logits), full=full)
         report = {
             "rank": rank,
-            "size": engine.ranks.size,
+            "size": engine.group.size,
             "ring_slots": engine.stats().ring.slots,
-            "owned": engine.ranks.owned_counts(),
+            "owned": [r["experts_owned"] for r in io],
             "picks": picks,
             "tokens": tokens,
             "io": io,

@@ -59,11 +59,12 @@ async def _run(
             async for ev in engine.generate(p, max_tokens=max_tokens, stop_at_eos=False):
                 stats = ev.stats or stats
             runs.append(stats)
+        parts = engine.debug.parts()
         return (
             runs[0],
             runs[1] if then is not None else None,
-            engine.ring,
-            engine.reader.direct,
+            parts.ring,
+            parts.reader.direct,
             engine.stats().host_tier,
         )
 
@@ -79,8 +80,10 @@ async def bus_bandwidth(vault: Vault, **options: Any) -> tuple[float, int]:
     async with Engine.open(vault.path, slots=count, host_memory=0, **opts) as probe:
         image = image_layout(m.record, probe.dtype)[1]
     async with Engine.open(vault.path, slots=count, host_memory=count * image, **opts) as engine:
-        tier = engine.debug.host_tier
-        return await engine.debug.compute.run(tier.measure_bus, tier.capacity), image
+        parts = engine.debug.parts()
+        tier = parts.host_tier
+        assert tier is not None  # (asked for: host_memory above)
+        return await parts.compute.run(tier.measure_bus, tier.capacity), image
 
 
 def _tier_bytes(vault: Vault, tier: str, image_bytes: int) -> int:
@@ -157,7 +160,8 @@ async def bench_decode(
     rows = []
     for budget in budgets:
         slots = budget_slots(vault, budget)
-        for tier in host_tiers or [None]:
+        tiers: list[str | None] = [*host_tiers] if host_tiers else [None]
+        for tier in tiers:
             host = 0 if tier is None else _tier_bytes(vault, tier, image_bytes)
             stats, steady, the_ring, direct, tier_stats = await _run(
                 vault,
@@ -223,7 +227,7 @@ class _PhaseReads:
 
     async def read(self, record: int, slot: int, priority: int = 0) -> int:
         phase = self.phase[0]
-        n = await self.inner.read(record, slot, priority)
+        n: int = await self.inner.read(record, slot, priority)
         self.bytes_by_phase[phase] += n
         if phase == 0 and self.pass_by_layer is not None:
             layer = self.layer_of(record)
@@ -256,11 +260,12 @@ async def _prefill_once(
     async with Engine.open(
         vault.path, slots=slots, workers=workers, max_context=context, **options
     ) as engine:
-        runner = engine.debug.runner
+        parts = engine.debug.parts()
+        runner = parts.runner
         runner.layer_major = runner.layer_major and layer_major
         engine.debug.tracer.observers.on_routing = seen
         layer_of = lambda record: vault.manifest.record_key(record)[0]  # noqa: E731
-        engine.debug.scheduler.wrap_backend(
+        parts.scheduler.wrap_backend(
             lambda inner: _PhaseReads(inner, phase, by_phase, layer_of, by_layer)
         )
         stats = None
@@ -273,8 +278,8 @@ async def _prefill_once(
             "union_records": sum(len(experts) for experts in union.values()),
             "pass_bytes_by_layer": by_layer,
             "union_records_by_layer": {layer: len(e) for layer, e in union.items()},
-            "ring": engine.ring,
-            "direct": engine.reader.direct,
+            "ring": parts.ring,
+            "direct": parts.reader.direct,
             "layer_major": runner.layer_major,
         }
 

@@ -13,7 +13,7 @@ from typing import Any
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.forecast.workload import random_prompt
-from smoe.util.sizes import parse_size
+from smoe.util.sizes import parse_size, slots_for_budget
 from smoe.vault.format import Vault
 
 
@@ -45,7 +45,9 @@ def budget_slots(vault: Vault, budget: str) -> int:
         if not 0 < share <= 1:
             raise SmoeError(f"budget {budget} must be a share in (0%, 100%]")
         return max(top_k, min(m.num_records, round(share * m.num_records)))
-    return max(top_k, min(m.num_records, parse_size(budget) // m.record.stride))
+    return max(
+        top_k, slots_for_budget(parse_size(budget), m.record.stride, max_slots=m.num_records)
+    )
 
 
 async def bench_generate(
@@ -78,8 +80,8 @@ async def bench_generate(
                     "ring_slots": slots,
                     "ring_bytes": slots * m.record.stride,
                     "ring_share_of_experts": round(slots / m.num_records, 3),
-                    "huge_pages": engine.ring.huge_pages,
-                    "direct_io": engine.reader.direct,
+                    "huge_pages": engine.debug.parts().ring.huge_pages,
+                    "direct_io": engine.debug.parts().reader.direct,
                     "ttft_s": round(stats.ttft_s, 4),
                     "prefill_tok_s": round(stats.prefill_tok_s, 2),
                     "decode_tok_s": round(stats.decode_tok_s, 3),

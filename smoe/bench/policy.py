@@ -38,123 +38,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from smoe.bench.policy_streams import Keys, keys_and_info
+from smoe.bench.policy_streams import foresight_from_archive as foresight_from_archive
+from smoe.bench.policy_streams import stream_from_archive as stream_from_archive
+from smoe.bench.policy_table import format_table
 from smoe.errors import SmoeError
-from smoe.sched.hints import default_hint_depth, runner_ups, takes_hints
+from smoe.sched.hints import default_hint_depth, takes_hints
 from smoe.sched.policy import POLICIES, PinnedHot
-from smoe.telemetry.archive import DECODE, NO_EXPERT, RoutingArchive
+from smoe.telemetry.archive import DECODE, RoutingArchive
 from smoe.telemetry.locality import headline, locality
 from smoe.telemetry.replay import KeyStream, ReplayResult, Request, replay, replay_belady
 
 DEFAULT_POLICIES = ("lru", "lru-layer", "lfu", "slru", "arc", "hot")
 FORESIGHT_POLICIES = ("lru", "lfu")  # bases of the prefetch lines
-
-Keys = list[list[tuple[int, int]]]
-
-
-def stream_from_archive(
-    archive: RoutingArchive, phase: int | None = None, hint_depth: int = 0
-) -> KeyStream:
-    """The archive's requests (as ``archive.requests(phase)``: per batch and layer, the
-    distinct experts of its tokens' top-k) with, if ``hint_depth`` > top_k, hints: the
-    distinct experts of gate ranks top_k .. hint_depth-1 that were not used, as the engine
-    passes them (``smoe.sched.hints.runner_ups``)."""
-    stream, _ = foresight_from_archive(archive, phase, hint_depth)
-    return stream
-
-
-def foresight_from_archive(
-    archive: RoutingArchive,
-    phase: int | None = None,
-    hint_depth: int = 0,
-    *,
-    lookahead: bool = False,
-    echo: int = 0,
-    prefill_as_decode: bool = False,
-) -> tuple[KeyStream, dict[str, Keys]]:
-    """``stream_from_archive``'s stream, and per request the keys the engine would prefetch
-    right after it: "lookahead" (if asked and the archive records it): in decode batches,
-    the distinct top-k of the next MoE layer's lookahead ranking over the batch's tokens;
-    "echo" (``echo`` > 0): in one-token decode batches, gate ranks top_k..top_k+echo-1 of
-    the same layer (for the next token). Each list is aligned with the stream's requests.
-    ``prefill_as_decode``: one-token prefill batches count as decode steps too (an archive
-    of held-out text recorded teacher-forced with prefill_chunk=1)."""
-    k = archive.top_k
-    depth = min(hint_depth, archive.depth)
-    keep = np.ones(archive.num_tokens, bool) if phase is None else archive.phase == phase
-    idx = np.nonzero(keep)[0]
-    batches: Keys = []
-    hints: Keys | None = [] if depth > k else None
-    ahead = archive.ahead if lookahead else None
-    spec: dict[str, Keys] = {}
-    if ahead is not None:
-        spec["lookahead"] = []
-    if echo > 0:
-        spec["echo"] = []
-    layers = len(archive.layers)
-    if idx.size == 0:
-        return KeyStream(batches, hints), spec
-    starts = np.nonzero(np.diff(archive.batch[idx], prepend=archive.batch[idx][0] - 1))[0]
-    bounds = [*starts.tolist(), idx.size]
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        rows = idx[a:b]
-        decode = bool(archive.phase[rows[0]] == DECODE) or (prefill_as_decode and b - a == 1)
-        for pos in range(layers):
-            used = np.unique(archive.ranks[rows, pos, :k]).tolist()
-            batches.append([(pos, e) for e in used])
-            if hints is not None:
-                hints.append([(pos, e) for e in runner_ups(archive.ranks[rows, pos], k, depth)])
-            if "echo" in spec:
-                bets = archive.ranks[rows[0], pos, k : k + echo] if decode and b - a == 1 else []
-                spec["echo"].append([(pos, int(e)) for e in bets])
-            if ahead is not None:
-                guess = ahead[rows, pos + 1, :k] if decode and pos + 1 < layers else []
-                top = np.unique(np.asarray(guess, np.int64))
-                spec["lookahead"].append([(pos + 1, int(e)) for e in top if e != NO_EXPERT])
-    return KeyStream(batches, hints), spec
-
-
-def _stream(
-    source: RoutingArchive | KeyStream | Iterable[Request],
-    phase: int | None,
-    hint_depth: int,
-    lookahead: bool,
-    echo: int,
-    prefill_as_decode: bool,
-) -> tuple[KeyStream, dict[str, Keys], dict[str, Any]]:
-    if isinstance(source, RoutingArchive):
-        info: dict[str, Any] = {
-            "source": source.meta.get("source", "archive"),
-            "tokens": source.num_tokens,
-            "layers": len(source.layers),
-            "num_experts": source.num_experts,
-            "top_k": source.top_k,
-            "depth": source.depth,
-        }
-        if hint_depth:
-            info["hint_depth"] = min(hint_depth, source.depth)
-        if echo:
-            info["echo"] = min(echo, source.depth - source.top_k)
-        if lookahead:
-            info["lookahead"] = (
-                "recorded"
-                if source.ahead is not None
-                else "not in this archive (record it again with this version)"
-            )
-        if prefill_as_decode:
-            info["prefill_as_decode"] = True
-        stream, spec = foresight_from_archive(
-            source,
-            phase,
-            hint_depth,
-            lookahead=lookahead,
-            echo=echo,
-            prefill_as_decode=prefill_as_decode,
-        )
-        return stream, spec, info
-    stream = source if isinstance(source, KeyStream) else KeyStream.from_requests(source)
-    return stream, {}, {"source": "requests"}
 
 
 def bench_policy(
@@ -197,7 +93,9 @@ def bench_policy(
     unknown = [p for p in (*policies, *foresight_policies) if p not in POLICIES]
     if unknown:
         raise SmoeError(f"unknown policies {unknown}; choose from {', '.join(sorted(POLICIES))}")
-    stream, spec, info = _stream(source, phase, hint_depth, lookahead, echo, prefill_as_decode)
+    stream, spec, info = keys_and_info(
+        source, phase, hint_depth, lookahead, echo, prefill_as_decode
+    )
     if record_bytes is None:
         meta = source.meta if isinstance(source, RoutingArchive) else {}
         record_bytes = int(meta.get("record_bytes", 0))
@@ -322,56 +220,6 @@ def bench_locality(archive: RoutingArchive, **kwargs: Any) -> dict[str, Any]:
     report["headline"] = headline(report)
     report["source"] = archive.meta.get("source", "archive")
     return report
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """Markdown: one row per ring size; per policy, misses and misses / Belady's. Then, if
-    present, Belady with limited foresight, and the prefetch lines (one row each)."""
-    rings = report["rings"]
-    names = list(rings[0]["policies"]) if rings else []
-    head = ["ring", "slots", "Belady misses (hit)"] + [f"{n} (x Belady)" for n in names]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rings:
-        b = r["belady"]
-        cells = [
-            f"{r['fraction']:.0%}",
-            f"{r['slots']:,}",
-            f"{b['misses']:,} ({b['hit_rate']:.1%})",
-        ]
-        for n in names:
-            p = r["policies"][n]
-            ratio = p["vs_belady"]
-            cells.append(f"{p['misses']:,} ({ratio:.3f})" if ratio else f"{p['misses']:,}")
-        lines.append("| " + " | ".join(cells) + " |")
-    horizons = list(rings[0].get("belady_horizon", {})) if rings else []
-    if horizons:  # a second table: Belady with limited foresight
-        head = ["ring"] + [f"Belady, {h} tokens of foresight (x Belady)" for h in horizons]
-        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rings:
-            cells = [f"{r['fraction']:.0%}"] + [
-                f"{r['belady_horizon'][h]['misses']:,} ({r['belady_horizon'][h]['vs_belady']:.3f})"
-                for h in horizons
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    foresight = list(rings[0].get("foresight", {})) if rings else []
-    if foresight:  # prefetch lines: demand misses, then every read (speculative included)
-        head = ["prefetch line"] + [
-            f"{r['fraction']:.0%} ring: misses (x Belady) / reads (x Belady)" for r in rings
-        ]
-        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for n in foresight:
-            cells = [n]
-            for r in rings:
-                p = r["foresight"][n]
-                if p["vs_belady"] is None:
-                    cells.append(f"{p['misses']:,} / {p['reads']:,}")
-                else:
-                    cells.append(
-                        f"{p['misses']:,} ({p['vs_belady']:.3f}) / "
-                        f"{p['reads']:,} ({p['reads_vs_belady']:.3f})"
-                    )
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

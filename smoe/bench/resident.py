@@ -75,8 +75,8 @@ async def _engine_run(
         for _ in range(2):
             tokens: list[int] = []
             stats = None
-            built_before = engine.runner.built_ahead
-            engine.runner.timeline.clear()
+            built_before = engine.debug.parts().runner.built_ahead
+            engine.debug.parts().runner.timeline.clear()
             async for ev in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
                 if ev.token is not None:
                     tokens.append(ev.token)
@@ -89,7 +89,7 @@ async def _engine_run(
                 "tokens": tokens,
                 "bytes_read": stats.bytes_read,
                 # decode passes overlapped in this run (the counter spans the engine's life)
-                "built_ahead": engine.runner.built_ahead - built_before,
+                "built_ahead": engine.debug.parts().runner.built_ahead - built_before,
                 # where each decode step's host time went (smoe.compute.timeline)
                 "steps": engine.stats().steps,
             }

@@ -133,7 +133,7 @@ class ChatApp:
         self.say("S-MoE chat. /help for commands, Ctrl-D to quit.")
         session = self._prompt_session()
         while True:
-            self.engine.prewarm()  # idle: bring in the hot experts while the person types
+            self.engine.learning.prewarm()  # idle: bring in the hot experts while the person types
             try:
                 text = await session.prompt_async("> ")
             except KeyboardInterrupt:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoe.commands.bench_routing import add_bench_routing
 from smoe.commands.options import add_device
 from smoe.errors import SmoeError
 from smoe.util.provenance import stamp
@@ -28,12 +29,12 @@ def _count_list(text: str) -> list[int]:
     return _int_list(text, minimum=0)
 
 
-def _parts_list(text: str) -> list[int | str]:
-    """'auto,1,4' -> ['auto', 1, 4]; SmoeError for anything else."""
-    out: list[int | str] = []
+def _parts_list(text: str) -> list[int | None]:
+    """'auto,1,4' -> [None, 1, 4] (None: auto); SmoeError for anything else."""
+    out: list[int | None] = []
     for item in text.split(","):
         if item == "auto":
-            out.append(item)
+            out.append(None)
         elif item.isdigit() and int(item) >= 1:
             out.append(int(item))
         else:
@@ -54,7 +55,7 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         seed=args.seed,
         paths=tuple(args.path.split(",")),
         busy=tuple(args.busy),
-        parts=tuple(None if p == "auto" else p for p in _parts_list(args.parts)),
+        parts=tuple(_parts_list(args.parts)),
         verify=not args.no_verify,
         control=args.control,
     )
@@ -231,36 +232,6 @@ def _measure_limits(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def cmd_bench_policy(args: argparse.Namespace) -> int:
-    from smoe.bench.policy import main as policy_main
-
-    return policy_main(args.rest, prog="smoe bench policy")
-
-
-def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from smoe.bench.tiers import main as tiers_main
-
-    return tiers_main(args.rest, prog="smoe bench tiers")
-
-
-def cmd_bench_locality(args: argparse.Namespace) -> int:
-    from smoe.bench.policy import bench_locality
-    from smoe.telemetry.archive import RoutingArchive
-
-    report = bench_locality(RoutingArchive.load(args.archive))
-    print(json.dumps(stamp(report, args.argv), indent=1))
-    print(json.dumps(report.get("headline", {})), file=sys.stderr)
-    return 0
-
-
-def cmd_bench_trace(args: argparse.Namespace) -> int:
-    from smoe.telemetry.traces import preset_trace
-
-    archive = preset_trace(args.preset, args.tokens, seed=args.seed, layers=args.layers)
-    print(f"wrote {archive.save(args.out)}")
-    return 0
-
-
 def add_bench(sub: Any) -> None:
     """`smoe bench ...`: every benchmark and its options."""
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout, a summary on stderr)")
@@ -269,7 +240,7 @@ def add_bench(sub: Any) -> None:
     _add_bench_generate(bsub)
     _add_bench_limits(bsub)
     _add_bench_resident(bsub)
-    _add_bench_routing(bsub)
+    add_bench_routing(bsub)
 
 
 def _bench_seed(p: argparse.ArgumentParser, what: str) -> None:
@@ -461,43 +432,3 @@ def _add_bench_resident(bsub: Any) -> None:
     _bench_seed(br, "the random prompt")
     _bench_device(br)
     br.set_defaults(func=cmd_bench_resident)
-
-
-def _add_bench_routing(bsub: Any) -> None:
-    """`smoe bench`: policy, locality and trace: routing research."""
-    bp = bsub.add_parser(
-        "policy",
-        add_help=False,
-        help="replay a routing archive or a synthetic trace against eviction "
-        "policies and Belady's optimum (--help for options)",
-    )
-    # Its options are smoe.bench.policy's own: main() hands it what this parser does not know.
-    bp.set_defaults(func=cmd_bench_policy, passthrough=True)
-    bti = bsub.add_parser(
-        "tiers",
-        add_help=False,
-        help="replay a routing archive through a two-level cache (GPU ring + host RAM) "
-        "against Belady (--help for options)",
-    )
-    bti.set_defaults(func=cmd_bench_tiers, passthrough=True)
-    bl = bsub.add_parser("locality", help="expert reuse between tokens, from a routing archive")
-    bl.add_argument(
-        "archive", type=Path, help="a routing archive (.npz, smoe generate --routing-archive)"
-    )
-    bl.set_defaults(func=cmd_bench_locality)
-    bt = bsub.add_parser("trace", help="write a synthetic routing trace with published locality")
-    bt.add_argument("out", type=Path, help="the archive (.npz) to write")
-    bt.add_argument(
-        "--preset",
-        default="qwen3-235b-like",
-        help="a preset of smoe.telemetry.traces (default qwen3-235b-like)",
-    )
-    bt.add_argument("--tokens", type=int, default=2000, help="tokens traced (default 2000)")
-    bt.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="override the preset's layer count (default: the preset's)",
-    )
-    _bench_seed(bt, "the trace")
-    bt.set_defaults(func=cmd_bench_trace)

@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from smoe.errors import SmoeError
+from smoe.util.sizes import parse_size
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -27,6 +30,16 @@ def add_dtype(p: Any) -> None:
         default=None,
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
     )
+
+
+def size_arg(text: str) -> int:
+    """A size flag's value ('6GB', '512MiB', '0'): bytes, read once, here, as argparse
+    reads the command line (a ``Size``: refusals quote the text). Argparse's usage error
+    (exit 2, naming the flag) for text that is not a size."""
+    try:
+        return parse_size(text)
+    except SmoeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def worker_count(text: str) -> int | None:
@@ -56,6 +69,7 @@ def add_host_memory(p: Any) -> None:
     """--host-memory: the host tier beside a GPU's ring (smoe.plan.host_tier)."""
     p.add_argument(
         "--host-memory",
+        type=size_arg,
         default=None,
         metavar="SIZE",
         help="host RAM for copies of experts between a GPU's ring and the disk, e.g. 64GB "

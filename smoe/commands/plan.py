@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoe.commands.options import add_device, add_dtype, add_host_memory, add_workers
+from smoe.commands.options import add_device, add_dtype, add_host_memory, add_workers, size_arg
 from smoe.plan.budget import KV_BITS
 
 
@@ -138,6 +138,7 @@ def add_plan(sub: Any) -> None:
     p.add_argument("model", type=Path, help="a vault, or a Hugging Face / MLX checkpoint folder")
     p.add_argument(
         "--memory",
+        type=size_arg,
         default=None,
         help="the whole process's budget, e.g. 8GB (default: the engine's default budget)",
     )

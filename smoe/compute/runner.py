@@ -1,12 +1,11 @@
-"""Forward passes on the compute thread: layer-major prefill and decode steps.
+"""Forward passes on the compute thread: prefill and decode steps (``Runner``).
 
-Prefill feeds the prompt in chunks of ``chunk`` tokens. With ``layer_major`` (the default
-where the architecture allows it) the chunks advance together one MoE layer at a time
-(smoe.compute.prompt_pass), so each layer reads the union of the whole prompt's experts
-once; otherwise each chunk runs every layer before the next starts, and each layer reads
-the union of that chunk's experts. Every token's bits are the same either way. The LM head is evaluated only where a token is sampled: the prompt's last
-token is run on its own, as mlx-lm's generate does, and earlier chunks' logits are never
-evaluated (MLX is lazy, so they are never computed).
+Prefill feeds the prompt in chunks, plain or layer-major (smoe.compute.prefill); every
+token's bits are the same either way. The LM head is evaluated only where a token is
+sampled: the prompt's last token is run on its own, as mlx-lm's generate does, and earlier
+chunks' logits are never evaluated (MLX is lazy, so they are never computed). Decode steps
+run one sequence or a batch (smoe.compute.rowwise), built one step ahead on a resident
+model, or verify a prompt-lookup draft (smoe.compute.draft_step).
 """
 
 from __future__ import annotations
@@ -14,119 +13,25 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from smoe.compute.draft import Drafting, accept_sampled, seeded_rng, target_probs
-from smoe.compute.logprobs import TokenLogprob, chunk_logprobs, note_scores, scored_row
-from smoe.compute.prompt_pass import CHUNK_HALF, PromptPass
+from smoe.compute import draft_step, prefill
+from smoe.compute.draft import Drafting
+from smoe.compute.kv_cache import check_quantizable, copy_cache_into
+from smoe.compute.logprobs import note_scores, scored_row
+from smoe.compute.rowwise import RowCaches
+from smoe.compute.sampler import configure, draw
+from smoe.compute.sequence import BatchPass, Sequence_
 from smoe.compute.solo_rows import KernelRules, solo_rows
 from smoe.compute.timeline import StepTime, StepTimeline
 from smoe.compute.tracing import forward_pass
-from smoe.sampling import SamplingParams as SamplingParams  # re-exported: its old home
-from smoe.util.tokens import common_prefix as common_prefix  # re-exported
-
-
-@dataclass
-class Sequence_:
-    """One generation's state on the compute thread: KV cache, tokens, sampler."""
-
-    cache: list[Any]
-    tokens: list[int] = field(default_factory=list)  # the stream: prompt(s) and replies
-    cached: int = 0  # leading tokens whose keys/values are in ``cache``
-    sampler: Callable[[mx.array], mx.array] | None = None
-    processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
-    seed: int | None = None  # seeded sampling: each position's draw depends on it alone
-    # Decode built one step ahead (Runner.step on a resident model): the next token, not
-    # yet evaluated, whose pass has already put ``tokens[-1]``'s keys/values in ``cache``,
-    # and that pass's deferred routing, counted once it is evaluated.
-    ahead: mx.array | None = None
-    ahead_routing: Any = None  # a DeferredRouting, or None
-    ahead_pass: BatchPass | None = None  # the batched pass ``ahead`` is a row of, if any
-    params: SamplingParams | None = None  # set by Runner.prepare (drafting reads it)
-    governor: Any = None  # a DraftGovernor once Runner.step_draft has run on it
-    # A layer-major prefill under way (Runner.prefill_chunk): its chunks suspended at a
-    # MoE layer; ``cached`` counts its tokens only once it is done.
-    prompt: PromptPass | None = None
-    bias: Callable[[Any, mx.array], mx.array] | None = None  # logit_bias (mlx-lm's processor)
-    # Log-probabilities (params.logprobs, params.prompt_logprobs; smoe.compute.logprobs):
-    # the log-softmax row beside ``ahead``, each appended token's entry until taken, and
-    # the prompt's (None: not asked) as the prefill computes them.
-    ahead_row: mx.array | None = None
-    scores: list[TokenLogprob] = field(default_factory=list)
-    prompt_scores: list[TokenLogprob] | None = None
-
-    def take_scores(self) -> list[TokenLogprob]:
-        """The entries of the tokens appended since the last take (none unless asked)."""
-        scores, self.scores = self.scores, []
-        return scores
-
-    def take_prompt_scores(self) -> list[TokenLogprob] | None:
-        """The prompt's entries once its prefill is done (None: not asked or not done)."""
-        if self.prompt_scores is None or self.to_prefill() > 0 or self.prompt is not None:
-            return None
-        scores, self.prompt_scores = self.prompt_scores, None
-        return scores
-
-    def to_prefill(self) -> int:
-        """Prompt tokens still to run before the sequence can be sampled."""
-        return max(0, len(self.tokens) - 1 - self.cached)
-
-    def kv_bytes(self) -> int:
-        """Bytes its KV cache holds (allocated)."""
-        return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
-
-
-@dataclass(eq=False)
-class BatchPass:
-    """A batched decode pass built ahead (Runner.step_batch): each row's next token, and
-    the pass's routing, counted when its tokens are first read (None once counted)."""
-
-    tokens: mx.array  # [B] lazy
-    routing: Any = None
-
-
-def cache_nbytes(seq: Sequence_) -> int:
-    """Bytes ``seq``'s KV cache holds (its allocated capacity, quantized or not)."""
-    return sum(int(getattr(c, "nbytes", 0)) for c in seq.cache)
-
-
-def _check_quantizable(cache: list[Any]) -> None:
-    """SmoeError unless every layer keeps a full KV cache, the kind mlx-lm quantizes."""
-    from mlx_lm.models.cache import KVCache
-
-    from smoe.errors import SmoeError
-
-    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
-    if kinds:
-        raise SmoeError(
-            f"--kv-bits needs a model whose layers all keep a full KV cache; this one has "
-            f"{', '.join(kinds)} layers (sliding windows or recurrent state), which mlx-lm "
-            "cannot quantize: leave --kv-bits out"
-        )
-
-
-def _own(state: Any) -> Any:
-    """``state`` (a cache's arrays, nested in tuples) as new arrays of the same bits. mlx-lm's
-    caches write in place (``keys[..., i:j, :] = k`` replaces the array's contents for every
-    holder of that array), and its KVCache's ``state`` is its arrays themselves: a copy
-    holding them would write into the original's cache, and the original into its."""
-    if isinstance(state, (tuple, list)):
-        return type(state)(_own(x) for x in state)
-    return mx.contiguous(state) if isinstance(state, mx.array) else state
-
-
-def _empty_like(cache: Any) -> Any:
-    """An empty cache of ``cache``'s kind (a quantized one keeps its group size and bits)."""
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    if isinstance(cache, QuantizedKVCache):
-        return QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
-    return type(cache)()
+from smoe.sampling import SamplingParams
+from smoe.util.tokens import common_prefix
 
 
 class Runner:
@@ -172,7 +77,7 @@ class Runner:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         if kv_bits is not None:
-            _check_quantizable(self.new_cache())
+            check_quantizable(self.new_cache())
         self.batchable = batchable  # step_batch runs one pass (see smoe.compute.rowwise)
         self.tracer = tracer  # told whether a pass is prefill or decode (routing archive)
         self.resident = resident
@@ -206,7 +111,7 @@ class Runner:
         if self.tracer is not None:
             self.tracer.count(routing)
 
-    def _pass(
+    def evaluated_pass(
         self, seqs: list[Sequence_], tokens: mx.array, cache: list[Any], rules: bool = True
     ) -> mx.array:
         """The evaluated decode pass (plain, batched, verify, next_logits): ``_forward``
@@ -230,11 +135,9 @@ class Runner:
         """After a pass: turn ``cache``'s float layers into quantized ones (in place), as
         mlx-lm's generate_step does after each model call, so the arithmetic is its own."""
         if self.kv_bits is not None:
-            from mlx_lm.generate import maybe_quantize_kv_cache
-
             maybe_quantize_kv_cache(cache, 0, self.kv_group_size, self.kv_bits)  # type: ignore[no-untyped-call]
 
-    def _chunk_runner(self, cache: list[Any], logits: bool) -> Callable[[list[int]], Any]:
+    def chunk_runner(self, cache: list[Any], logits: bool) -> Callable[[list[int]], Any]:
         """One chunk's pass on ``cache``: its logits [T, V] evaluated if asked, else its
         layers only (the LM head's output is never computed)."""
 
@@ -249,28 +152,10 @@ class Runner:
 
         return run
 
-    def _pieces(self, tokens: Sequence[int]) -> list[list[int]]:
-        return [list(tokens[i : i + self.chunk]) for i in range(0, len(tokens), self.chunk)]
-
-    def _feed(self, tokens: Sequence[int], cache: list[Any], logits: bool) -> mx.array | None:
-        """Run ``tokens`` through the model in chunks; return logits [T, V] if asked."""
-        run = self._chunk_runner(cache, logits)
-        out: list[Any] = []
-        for start in range(0, len(tokens), self.pass_tokens):
-            part = tokens[start : start + self.pass_tokens]
-            if self.layer_major:
-                prompt = PromptPass(run, self._pieces(part))
-                while prompt.advance():
-                    pass
-                out += prompt.results()
-            else:
-                out += [run(piece) for piece in self._pieces(part)]
-        return mx.concatenate(out, axis=0) if logits else None
-
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits [T, vocab] as float32 numpy, on a fresh cache."""
         cache = self.new_cache()
-        y = self._feed(tokens, cache, logits=True)
+        y = prefill.feed(self, tokens, cache, logits=True)
         assert y is not None
         return np.array(y.astype(mx.float32))
 
@@ -292,27 +177,12 @@ class Runner:
         """Point ``seq`` at ``prompt`` (the whole new stream): set its sampler, trim its
         cache to the prefix they share. Returns how many tokens ``prefill_chunk`` must
         then run (all but the prompt's last token, minus the reused prefix)."""
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
         self.settle(seq)
         if seq.prompt is not None:  # re-pointed in the middle of a layer-major prefill
             self.reset(seq)
         seq.seed, seq.params, seq.governor = params.seed, params, None
-        seq.bias = make_logits_processors(dict(params.logit_bias))[0] if params.logit_bias else None
         seq.scores, seq.prompt_scores = [], None
-        seq.sampler = make_sampler(
-            params.temperature, params.top_p, params.min_p, 1, top_k=params.top_k
-        )
-        seq.processors = make_logits_processors(
-            None,
-            params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-            params.repetition_context,
-            params.presence_penalty or None,
-            params.repetition_context,
-            params.frequency_penalty or None,
-            params.repetition_context,
-        )
+        configure(seq, params)  # its logit bias, sampler and processors
         prompt = list(prompt)
         keep = common_prefix(seq.tokens[: seq.cached], prompt)
         keep = min(keep, len(prompt) - 1)  # the last token must run to give logits
@@ -327,63 +197,10 @@ class Runner:
         return seq.to_prefill()
 
     def prefill_chunk(self, seq: Sequence_) -> int:
-        """Advance the prompt's prefill by one turn; return how many prompt tokens the
-        turn worked on (0: the sequence is ready to sample). A turn is one chunk of up to
-        ``chunk`` tokens through every layer, or, layer-major, the pass over up to
-        ``pass_tokens`` tokens advanced by as many chunk units (a chunk up to its next MoE
-        layer) as one chunk takes through every layer, plus any layer served on the way (the experts of every
-        chunk at one layer, at once: the longest turn). Between turns nothing is pinned in
-        the ring, so other sequences decode (the batcher alternates). A failed turn resets
-        ``seq`` and raises."""
-        todo = seq.to_prefill()
-        if todo == 0:
-            return 0
-        try:
-            scores = seq.prompt_scores  # the prompt's numbers, where asked (extended)
-            if not self.layer_major:
-                piece = seq.tokens[seq.cached : seq.cached + min(todo, self.chunk)]
-                if scores is not None:
-                    scores += self._prompt_runner(seq, seq.cached)(piece)
-                else:
-                    self._feed(piece, seq.cache, logits=False)
-                seq.cached += len(piece)
-                return len(piece)
-            if seq.prompt is None:
-                part = seq.tokens[seq.cached : seq.cached + min(todo, self.pass_tokens)]
-                run = (
-                    self._prompt_runner(seq, seq.cached)
-                    if scores is not None
-                    else self._chunk_runner(seq.cache, logits=False)
-                )
-                seq.prompt = PromptPass(run, self._pieces(part))
-            tokens = seq.prompt.tokens
-            # a chunk's work through every layer: its start, then each layer's experts and
-            # the attention after them (half a chunk-layer each)
-            if not seq.prompt.advance(self.layers + CHUNK_HALF):
-                if scores is not None:
-                    scores += [e for r in seq.prompt.results() for e in r or ()]
-                seq.prompt = None
-                seq.cached += tokens
-            return tokens
-        except BaseException:
-            self.reset(seq)
-            raise
-
-    def _prompt_runner(self, seq: Sequence_, start: int) -> Callable[[list[int]], Any]:
-        """A chunk runner for a prefill from ``start`` that also scores the prompt: chunk i
-        returns the entries of the tokens after its own (``chunk_logprobs``); chunks start
-        in prompt order, so each knows where it stands."""
-        run = self._chunk_runner(seq.cache, logits=True)
-        assert seq.params is not None and seq.params.prompt_logprobs is not None
-        k, at = seq.params.prompt_logprobs, [start]
-
-        def score(piece: list[int]) -> list[TokenLogprob]:
-            first = at[0]
-            at[0] += len(piece)
-            targets = seq.tokens[first + 1 : first + 1 + len(piece)]
-            return chunk_logprobs(run(piece), targets, k)
-
-        return score
+        """Advance the prompt's prefill by one turn; return how many prompt tokens the turn
+        worked on (0: the sequence is ready to sample). A failed turn resets ``seq`` and
+        raises (smoe.compute.prefill.prefill_chunk)."""
+        return prefill.prefill_chunk(self, seq)
 
     def reset(self, seq: Sequence_) -> None:
         """Forget ``seq``'s cache (after a failed pass left its layers out of step)."""
@@ -391,31 +208,24 @@ class Runner:
             seq.prompt.close()
             seq.prompt = None
         seq.cache, seq.cached = self.new_cache(), 0
-        seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = None, None, None, None
+        seq.forget_ahead()
 
     def next_logits(self, seq: Sequence_) -> np.ndarray:
         """Logits [vocab] for the token after ``seq.tokens`` (runs its last token)."""
         self.settle(seq)
-        y = self._pass([seq], mx.array(seq.tokens[-1:])[None], seq.cache, rules=False)
+        y = self.evaluated_pass([seq], mx.array(seq.tokens[-1:])[None], seq.cache, rules=False)
         seq.cached = len(seq.tokens)
         return np.array(y[0, -1].astype(mx.float32))
 
     def copy(self, seq: Sequence_) -> Sequence_:
         """An independent copy of ``seq``: its cache's arrays are new arrays (their data
-        shared until either side writes: ``_own``), so the two may decode together."""
+        shared until either side writes: ``kv_cache.own``), so the two may decode together."""
         if seq.prompt is not None:
             raise RuntimeError("a sequence is copied only between prefills, not during one")
         self.settle(seq)
         cache = self.new_cache()
         self._quantize(cache)  # (an empty cache: quantized iff the sequence's is)
-        for i, (mine, theirs) in enumerate(zip(cache, seq.cache, strict=True)):
-            if type(mine) is not type(theirs):  # e.g. a quantized cache under kv_bits None
-                mine = cache[i] = _empty_like(theirs)
-            if not theirs.empty():
-                mine.state = _own(theirs.state)
-                if hasattr(theirs, "meta_state"):
-                    mine.meta_state = theirs.meta_state
-        mx.eval([c.state for c in cache if not c.empty()])
+        copy_cache_into(cache, seq.cache)
         return Sequence_(cache=cache, tokens=list(seq.tokens), cached=seq.cached)
 
     def step(self, seq: Sequence_, more: bool = True) -> int:
@@ -429,13 +239,12 @@ class Runner:
         if self._can_build_ahead(seq):
             return self._step_ahead(seq, more)
         self.settle(seq)
-        y = self._pass([seq], mx.array(seq.tokens[-1:])[None], seq.cache, rules=False)  # [1, 1, V]
+        last = mx.array(seq.tokens[-1:])[None]  # [1, 1]
+        y = self.evaluated_pass([seq], last, seq.cache, rules=False)  # [1, 1, V]
         seq.cached = len(seq.tokens)
         return self._sample(seq, y[:, -1, :])
 
     def _can_build_ahead(self, seq: Sequence_) -> bool:
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
         # Processors read the token history on the host; a cache that cannot be trimmed
         # could not drop the pass built ahead.
         return (
@@ -455,7 +264,7 @@ class Runner:
             else:
                 # (a row of a batched pass, too: its token and cache entry are its own)
                 token, routing, row = seq.ahead, seq.ahead_routing, seq.ahead_row
-                seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = (None,) * 4
+                seq.forget_ahead()
             if more:
                 # token [1] feeds the next pass lazily: it puts this token's keys and
                 # values in the cache and samples the one after it.
@@ -482,7 +291,7 @@ class Runner:
         (``_queue``) and the log-softmax row of its logits where asked (``scored_row``)."""
         y, routing = self._forward(last[None], seq.cache, [seq.cache])  # [1, 1, V]
         row = scored_row(seq, y[:, -1, :])
-        token = self._draw(seq, y[:, -1, :], position)
+        token = draw(seq, y[:, -1, :], position)
         return token, self._queue(token, routing, [row]), row
 
     def _queue(self, token: mx.array, routing: Any, rows: Sequence[Any] = ()) -> Any:
@@ -504,11 +313,9 @@ class Runner:
     def settle(self, seq: Sequence_) -> None:
         """Drop a pass built ahead (``step``): its keys/values leave the cache, its routing
         is not counted. Every other use of the sequence starts here."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
         if seq.ahead is not None:
             trim_prompt_cache(seq.cache, 1)
-            seq.ahead, seq.ahead_routing, seq.ahead_pass, seq.ahead_row = None, None, None, None
+            seq.forget_ahead()
 
     def step_batch(self, seqs: list[Sequence_], more: bool = True) -> list[int]:
         """One decode step of every sequence in ``seqs`` together: per MoE layer the union
@@ -522,7 +329,7 @@ class Runner:
         y = self._forward_batch(seqs)  # [B, 1, V]
         rows = [scored_row(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
         tokens = mx.concatenate(  # [B]: every row's draw, read back in one sync
-            [self._draw(s, y[i : i + 1, -1, :], len(s.tokens)) for i, s in enumerate(seqs)]
+            [draw(s, y[i : i + 1, -1, :], len(s.tokens)) for i, s in enumerate(seqs)]
         )
         values = self._append(seqs, tokens)
         note_scores(list(zip(seqs, rows, values, strict=True)))
@@ -542,7 +349,7 @@ class Runner:
                 routing, built.routing = built.routing, None  # one count per pass
                 rows = [s.ahead_row for s in seqs]
                 for s in seqs:
-                    s.ahead, s.ahead_routing, s.ahead_pass, s.ahead_row = None, None, None, None
+                    s.forget_ahead()
             else:
                 for s in seqs:
                     self.settle(s)
@@ -575,13 +382,11 @@ class Runner:
         """Queue the lazy batched pass on ``last`` [B] (row i: ``seqs[i]``'s last token,
         ``offset`` tokens past ``seqs[i].tokens``); return its sampled tokens [B], its
         routing (``_queue``) and each row's log-softmax where asked (``scored_row``)."""
-        from smoe.compute.rowwise import RowCaches
-
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
         y, routing = self._forward(last[:, None], caches, [s.cache for s in seqs], rules=True)
         rows = [scored_row(s, y[i : i + 1, -1, :]) for i, s in enumerate(seqs)]
         tokens = mx.concatenate(  # [B]
-            [self._draw(s, y[i : i + 1, -1, :], len(s.tokens) + offset) for i, s in enumerate(seqs)]
+            [draw(s, y[i : i + 1, -1, :], len(s.tokens) + offset) for i, s in enumerate(seqs)]
         )
         return tokens, self._queue(tokens, routing, rows), rows
 
@@ -600,13 +405,11 @@ class Runner:
 
     def _forward_batch(self, seqs: list[Sequence_]) -> mx.array:
         """Run each sequence's last token in one pass ([B, 1] tokens, per-row caches)."""
-        from smoe.compute.rowwise import RowCaches
-
         for s in seqs:
             self.settle(s)
         tokens = mx.array([s.tokens[-1:] for s in seqs])  # [B, 1]
         caches = [RowCaches(list(layer)) for layer in zip(*(s.cache for s in seqs), strict=True)]
-        y = self._pass(seqs, tokens, caches)  # [B, 1, V]
+        y = self.evaluated_pass(seqs, tokens, caches)  # [B, 1, V]
         for s in seqs:
             s.cached = len(s.tokens)
         return y
@@ -615,117 +418,20 @@ class Runner:
         self, seq: Sequence_, budget: int, stop: frozenset[int] = frozenset()
     ) -> list[int]:
         """A decode step of ``seq`` alone with a prompt-lookup draft (``self.drafting``):
-        verify up to k drafted tokens in one pass (``verify``), or a plain ``step`` when
-        there is no draft, drafting is off for this sequence (its governor), or the cache
-        cannot be trimmed. Returns the new tokens (1 to ``budget``), appended; the last may
-        be in ``stop``, after which nothing is appended. Greedy: the tokens plain steps
-        give; sampling: their distribution. Errors: as ``step`` (the sequence is reset)."""
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
-        d = self.drafting
-        assert d is not None, "step_draft needs a Runner built with drafting"
-        if seq.governor is None:
-            seq.governor = d.governor()
-        gov = seq.governor
-        k = min(d.tokens, budget - 1)
-        draft: list[int] = []
-        if k > 0 and gov.wants_draft() and can_trim_prompt_cache(seq.cache):
-            draft = d.drafter.propose(seq.tokens, k)
-        start = d.clock()
-        if not draft:
-            # Build ahead (Runner.step) only while drafting is off: a verify pass would
-            # drop the pass built ahead.
-            token = self.step(seq, more=budget > 1 and not gov.drafting)
-            gov.plain(d.clock() - start)
-            d.stats.plain_steps += 1
-            return [token]
-        switched = gov.switch_offs
-        tokens = self.verify(seq, draft, stop)
-        gov.verified(d.clock() - start, len(tokens))
-        d.stats.verify_passes += 1
-        d.stats.drafted += len(draft)
-        d.stats.accepted += common_prefix(tokens, draft)  # a rejected draft's token differs
-        d.stats.switch_offs += gov.switch_offs - switched
-        return tokens
+        up to ``budget`` new tokens, appended (smoe.compute.draft_step.step_draft)."""
+        return draft_step.step_draft(self, seq, budget, stop)
 
     def verify(
         self, seq: Sequence_, draft: list[int], stop: frozenset[int] = frozenset()
     ) -> list[int]:
-        """Run ``[last token, *draft]`` as one chunk (each MoE layer reads the union of
-        their experts once), keep the longest prefix of ``draft`` the model accepts and the
-        model's own token after it; the rejected positions leave the cache. Acceptance:
-        greedy, the token plain decode picks; sampling, ``accept_sampled`` on the
-        distribution plain decode samples from. Stops after a token in ``stop``. Returns
-        the tokens appended to ``seq.tokens`` (1 to len(draft) + 1)."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        from smoe.compute.rowwise import RowSequence
-
-        self.settle(seq)
-        base = len(seq.tokens)
-        # Under kernel rules each row is its own decode step, attention included.
-        cache = seq.cache if self.rules is None else [RowSequence(c) for c in seq.cache]
-        # y [1, k+1, V]: position j's logits give the token after draft[:j]
-        y = self._pass([seq], mx.array([seq.tokens[-1], *draft])[None], cache)
-        scored = []  # each token's log-softmax row (the verify pass's logits), where asked
-        for j in range(len(draft) + 1):
-            guess = draft[j] if j < len(draft) else None
-            row = scored_row(seq, y[:, j, :])
-            accepted, token = self._judge(seq, y[:, j, :], guess)
-            seq.tokens.append(token)
-            scored.append((seq, row, token))
-            if not accepted or token in stop:
-                break
-        note_scores(scored)
-        # The pass put base + k entries in the cache; keep those of the tokens now
-        # before the last one.
-        trim_prompt_cache(seq.cache, base + len(draft) - (len(seq.tokens) - 1))
-        seq.cached = len(seq.tokens) - 1
-        return seq.tokens[base:]
-
-    def _judge(self, seq: Sequence_, logits: mx.array, guess: int | None) -> tuple[bool, int]:
-        """The token at ``len(seq.tokens)`` from ``logits`` [1, V], and whether it is
-        ``guess`` accepted (None: no draft left; the token is drawn as plain decode would)."""
-        position = len(seq.tokens)
-        params = seq.params
-        if params is None or params.temperature == 0:  # greedy: plain decode's own pick
-            token = cast(int, self._draw(seq, logits, position).item())
-            return token == guess, token
-        if seq.bias is not None:
-            logits = seq.bias(None, logits)
-        if seq.processors:
-            history = mx.array(seq.tokens)
-            for proc in seq.processors:
-                logits = proc(history, logits)
-        p = target_probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)
-        rng = seeded_rng(seq.seed, position)
-        if rng is None:
-            assert self.drafting is not None
-            rng = self.drafting.rng
-        if guess is None:
-            return False, int(rng.choice(len(p), p=p))
-        return accept_sampled(guess, p, rng)
+        """Run ``[last token, *draft]`` in one pass; append the accepted prefix of ``draft``
+        and the model's token after it; return them (smoe.compute.draft_step.verify)."""
+        return draft_step.verify(self, seq, draft, stop)
 
     def _sample(self, seq: Sequence_, logits: mx.array) -> int:
         """Sample from ``logits`` [1, V] with ``seq``'s processors and sampler; append."""
         row = scored_row(seq, logits)
-        token = cast(int, self._draw(seq, logits, len(seq.tokens)).item())
+        token = cast(int, draw(seq, logits, len(seq.tokens)).item())
         seq.tokens.append(token)
         note_scores([(seq, row, token)])
-        return token
-
-    def _draw(self, seq: Sequence_, logits: mx.array, position: int) -> mx.array:
-        """The token [1] (lazy) drawn from ``logits`` [1, V] for ``seq.tokens[position]``
-        with ``seq``'s logit bias, processors (they read ``seq.tokens``) and sampler."""
-        if seq.bias is not None:  # first, as in mlx-lm's make_logits_processors
-            logits = seq.bias(None, logits)
-        if seq.processors:
-            history = mx.array(seq.tokens)
-            for p in seq.processors:
-                logits = p(history, logits)
-        assert seq.sampler is not None
-        if seq.seed is not None:  # a draw per position, whatever else shares the step
-            mx.random.seed((seq.seed * 1_000_003 + position) % 2**64)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token: mx.array = seq.sampler(logprobs)
         return token

@@ -23,8 +23,9 @@ from smoe.sched.scheduler import ExpertScheduler, Reservation
 T = TypeVar("T")
 
 
-class Lease:
-    """Pinned slots from ``LoopSlots.reserve``: ``ready[i]`` says slot i was READY already.
+class LoopLease:
+    """Pinned slots from ``LoopSlots.reserve`` (a smoe.compute.streaming.Lease): ``ready[i]``
+    says slot i was READY already.
 
     The compute code that reserved it releases it, exactly once, with ``release()`` in a
     ``finally``: after computing, after ``wait``/``wait_any`` raised (they never release),
@@ -99,14 +100,14 @@ class LoopSlots:
             raise
         return lease.slots
 
-    def reserve(self, layer: int, experts: list[int]) -> Lease:
+    def reserve(self, layer: int, experts: list[int]) -> LoopLease:
         """Pin slots and queue the misses; return at once (the reads go on). The caller
-        owns the Lease and releases it once (``Lease.release``), whatever happens."""
+        owns the lease and releases it once (``LoopLease.release``), whatever happens."""
         self.acquires += 1
         reservation, ready = self._wait(self._reserve(layer, experts))
         if self._resident is None and self._resident_slots is not None:
             self._install_resident_tables(self._resident_slots)
-        return Lease(self, reservation, ready)
+        return LoopLease(self, reservation, ready)
 
     async def _reserve(self, layer: int, experts: list[int]) -> tuple[Reservation, list[bool]]:
         """On the loop: the reservation and which of its slots are READY, read together.
@@ -126,7 +127,7 @@ class LoopSlots:
                 if slots is not None:
                     self._resident_slots = dict(zip(every, slots, strict=True))
             return reservation, reservation.ready()
-        except BaseException:  # the Lease is never made: its release is ours
+        except BaseException:  # the LoopLease is never made: its release is ours
             reservation.release()
             raise
 
@@ -168,7 +169,7 @@ class LoopSlots:
             self.wait_seconds += time.perf_counter() - start
 
     def release(self, slots: list[int]) -> None:
-        """Unpin slots returned by ``acquire`` (a Lease is released with its own method)."""
+        """Unpin slots returned by ``acquire`` (a LoopLease is released with its own method)."""
         # FIFO with the next acquire's submission: the slots are free before it asks.
         self.loop.call_soon_threadsafe(self.scheduler.release, slots, self)
 

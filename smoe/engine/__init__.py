@@ -5,11 +5,18 @@
         async for event in engine.generate("Hello", max_tokens=32):
             print(event.text, end="")
 
-- ``core``: the Engine, its lifecycle and the generation API;
-- ``options``: EngineOptions, checked before any resource is taken;
-- ``events``: what a generation yields (Event, GenerationStats);
-- ``batcher``: continuous batching of the active generations (no MLX);
-- ``conversation``: multi-turn chats that keep their KV cache between turns.
+- ``core``: the Engine, its lifecycle and the generation API (EngineOptions lives in
+  smoe.plan.options, checked before any resource is taken);
+- ``build``: the parts opened in order on one exit stack (``EngineParts``);
+- ``group``: one process or this rank's share of several, chosen once (``Engine.group``);
+  ``ranks`` and ``mirror``: the ranks' collectives, and rank 0's requests run on each;
+- ``learning``: pre-warm, load-all, warm-up and the routing archive (``Engine.learning``);
+- ``batcher``: continuous batching of the active generations (no MLX); ``requests``:
+  a ticket's events turned into ``Event``s; ``events``: Event, GenerationStats;
+- ``stats``: ``Engine.stats()`` and ``Engine.debug`` (the one door to the parts);
+- ``conversation`` and ``conversation_file``: multi-turn chats that keep their KV cache,
+  and their files; ``prefix_store``: a server's long prompts kept on disk;
+- ``tokenizer``, ``handles``: the vault's tokenizer; what callers hold and give back.
 """
 
 from smoe.engine.core import Engine

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 
@@ -166,6 +166,52 @@ def ready_to_decode(active: list[Ticket]) -> list[Ticket]:
     return [t for t in active if t.state is RequestState.DECODING]
 
 
+class Coordinator(Protocol):
+    """How a batcher's iterations are agreed: ``Solo`` for one process; across ranks, rank
+    0's ``Leader`` and the others' ``Follower`` (smoe.engine.mirror). Event loop only."""
+
+    def admit(self, batcher: Batcher, ticket: Ticket) -> None:
+        """Queue a submitted ticket where it waits for its first iteration."""
+
+    def pending(self) -> bool:
+        """Whether an iteration must run even with no request."""
+
+    async def start(self, batcher: Batcher) -> None:
+        """Before an iteration (under the lock)."""
+
+    def check(self, batcher: Batcher) -> None:
+        """After an iteration (under the lock)."""
+
+    async def end(self, batcher: Batcher) -> None:
+        """``Batcher.close``: before the loop stops (takes the lock where it needs one)."""
+
+    def gone(self, ticket: Ticket) -> bool:
+        """Whether the batcher acts on the ticket's cancel now (module docstring)."""
+
+
+class Solo:
+    """One process deciding each iteration alone: a ticket waits in ``waiting`` at once
+    and a cancel takes effect at the next iteration."""
+
+    def admit(self, batcher: Batcher, ticket: Ticket) -> None:
+        batcher.waiting.append(ticket)
+
+    def pending(self) -> bool:
+        return False
+
+    async def start(self, batcher: Batcher) -> None:
+        return None
+
+    def check(self, batcher: Batcher) -> None:
+        return None
+
+    async def end(self, batcher: Batcher) -> None:
+        return None
+
+    def gone(self, ticket: Ticket) -> bool:
+        return ticket.cancelled
+
+
 class Batcher:
     """Schedules tickets onto the compute thread (see the module docstring).
 
@@ -183,7 +229,7 @@ class Batcher:
         meter: Callable[[], Meter],
         max_batch: int = 8,
         on_demand: Callable[[], None] | None = None,
-        on_idle: Callable[[], None] | None = None,
+        on_idle: Callable[[], object] | None = None,
         draft: Callable[[Any, int, frozenset[int]], list[int]] | None = None,
         timeline: Any = None,
     ) -> None:
@@ -212,9 +258,9 @@ class Batcher:
         self._stop = anyio.CancelScope()  # close() cancels the loop through it
         self._closed = False
         self.submitted = 0
-        # Across ranks (smoe/engine/mirror.py): rank 0's coordinator tells the others what
-        # each iteration starts with; None: this process decides alone.
-        self.coordinator: Any = None
+        # Across ranks (smoe/engine/mirror.py) rank 0's coordinator tells the others what
+        # each iteration starts with; ``Solo``: this process decides alone.
+        self.coordinator: Coordinator = Solo()
         self.incoming: collections.deque[Ticket] = collections.deque()  # not yet announced
 
     # ------------------------------------------------------------------ interface
@@ -224,8 +270,7 @@ class Batcher:
             raise SmoeError("the engine is closed")
         self.submitted += 1
         ticket.number = self.submitted
-        # Across ranks a ticket waits until an iteration's start has announced it.
-        (self.incoming if self.coordinator is not None else self.waiting).append(ticket)
+        self.coordinator.admit(self, ticket)  # across ranks: once an iteration announced it
         self.wake()
         return ticket
 
@@ -254,9 +299,7 @@ class Batcher:
         if self._closed:
             return
         self._closed = True
-        if self.coordinator is not None:
-            async with self.lock:  # between iterations: no rank is inside a pass
-                await self.coordinator.end(self)
+        await self.coordinator.end(self)
         if self._task is not None:
             self._stop.cancel()  # the loop leaves its scope at its next await and returns
             await self._task
@@ -274,7 +317,7 @@ class Batcher:
 
     async def _serve(self) -> None:
         while True:
-            pending = self.coordinator is not None and self.coordinator.pending()
+            pending = self.coordinator.pending()
             if not self.waiting and not self.active and not self.incoming and not pending:
                 self._idle.set()
                 if self.on_idle is not None:
@@ -289,11 +332,9 @@ class Batcher:
                 if self._closed:  # across ranks: close() ends the group between iterations
                     return
                 try:
-                    if self.coordinator is not None:
-                        await self.coordinator.start(self)
+                    await self.coordinator.start(self)
                     await self._iteration()
-                    if self.coordinator is not None:
-                        self.coordinator.check(self)
+                    self.coordinator.check(self)
                 except Exception as e:  # a bug here must not leave requests hanging
                     for t in [*self.active, *self.waiting, *self.incoming]:
                         t._finish(Failed(e))
@@ -308,7 +349,7 @@ class Batcher:
 
     def _gone(self, ticket: Ticket) -> bool:
         """Whether the batcher acts on the ticket's cancel now (module docstring)."""
-        return ticket.leaving if self.coordinator is not None else ticket.cancelled
+        return self.coordinator.gone(ticket)
 
     async def _iteration(self) -> None:
         self._drop_cancelled()

@@ -25,9 +25,11 @@ import aiofiles.os
 import anyio
 import numpy as np
 
-from smoe.compute.runner import SamplingParams, Sequence_
+from smoe.compute.sequence import Sequence_
 from smoe.engine import conversation_file
+from smoe.engine.group import point
 from smoe.errors import SmoeError
+from smoe.sampling import SamplingParams
 from smoe.util.files import atomic_path, sweep_stale
 
 if TYPE_CHECKING:
@@ -221,15 +223,18 @@ class Conversation:
         prompt = self._prompt([*self.messages, {"role": "user", "content": text}])
         self._check_context(prompt, 1)
 
+        parts = self.engine.debug.parts()
+        runner = parts.runner
+
         def run() -> np.ndarray:
-            seq, _ = self.engine.point(self._seq, prompt, SamplingParams())
+            seq, _ = point(runner, self._seq, prompt, SamplingParams())
             self._keep(seq)
-            while self.engine.runner.prefill_chunk(seq):
+            while runner.prefill_chunk(seq):
                 pass
-            return self.engine.runner.next_logits(seq)
+            return runner.next_logits(seq)
 
         async with self._busy, self.engine.exclusive():
-            return await self.engine.compute.run(run)
+            return await parts.compute.run(run)
 
     def _check_context(self, prompt: list[int], max_tokens: int) -> None:
         limit = self.engine.max_context
@@ -251,7 +256,8 @@ class Conversation:
             if self._seq is not None:
                 seq = self._seq
                 async with self.engine.exclusive():
-                    other._seq = await self.engine.compute.run(self.engine.runner.copy, seq)
+                    parts = self.engine.debug.parts()
+                    other._seq = await parts.compute.run(parts.runner.copy, seq)
             return other
 
     async def save(self, path: str | Path) -> Path:
@@ -283,11 +289,11 @@ class Conversation:
             # Read the stream here, under the engine lock: a cancelled turn's last step
             # may have run after the reply was taken.
             if seq is not None:
-                _settle(self.engine.runner, seq)
+                _settle(self.engine.debug.parts().runner, seq)
             meta["tokens"] = json.dumps(seq.tokens if seq is not None else [])
             meta["cached"] = str(seq.cached if seq is not None else 0)
             meta["reply_end"] = json.dumps(self._reply_end)
-            cache = seq.cache if seq is not None else self.engine.runner.new_cache()
+            cache = seq.cache if seq is not None else self.engine.debug.parts().runner.new_cache()
             meta["digest"] = conversation_file.conversation_digest(
                 meta, conversation_file.cache_arrays(cache)
             )
@@ -299,7 +305,7 @@ class Conversation:
         try:  # .chat.tmp-PID.safetensors: mlx appends .safetensors to a name without it
             with atomic_path(path, keep_suffix=True) as tmp:
                 async with self.engine.exclusive():
-                    await self.engine.compute.run(write, tmp)
+                    await self.engine.debug.parts().compute.run(write, tmp)
         except (OSError, ValueError) as e:  # ValueError: a name the OS cannot take (a NUL)
             raise SmoeError(
                 f"cannot save the conversation to {_shown(path)} ({e}); check the name, and that "
@@ -321,7 +327,7 @@ class Conversation:
 
         try:
             async with engine.exclusive():  # (the file is read on the compute thread)
-                saved, cache = await engine.compute.run(_read, engine, path)
+                saved, cache = await engine.debug.parts().compute.run(_read, engine, path)
         except SmoeError:
             raise
         except Exception as e:  # whatever a crafted file does: one line, the chat stays
@@ -361,7 +367,7 @@ def _read(engine: Engine, path: Path) -> tuple[conversation_file.Saved, list[Any
     what a crafted header declares is never allocated (conversation_file)."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    fresh = engine.runner.new_cache()
+    fresh = engine.debug.parts().runner.new_cache()
     options = engine.options
     layout = conversation_file.layout_of(
         fresh,
@@ -369,7 +375,7 @@ def _read(engine: Engine, path: Path) -> tuple[conversation_file.Saved, list[Any
         engine.vault.config(),
         engine.max_context,
         options.kv_bits,
-        engine.runner.kv_group_size,
+        engine.debug.parts().runner.kv_group_size,
     )
     header = conversation_file.read_header(path, layout.header_limit)
     meta = header.meta
@@ -392,7 +398,8 @@ def _read(engine: Engine, path: Path) -> tuple[conversation_file.Saved, list[Any
         )
     conversation_file.check_arrays(header, layout, path)
     try:
-        cache, meta = load_prompt_cache(str(path), return_metadata=True)
+        # (mlx-lm's loader is untyped)
+        cache, meta = load_prompt_cache(str(path), return_metadata=True)  # type: ignore[no-untyped-call]
     except Exception as e:  # a corrupt file: say so, keep the current chat
         raise SmoeError(f"{path} is not a readable conversation file ({e})") from None
     conversation_file.check_read(header, cache, meta, path)

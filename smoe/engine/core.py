@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -25,38 +23,25 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 import numpy as np
 
-from smoe.compute.runner import Runner, SamplingParams, Sequence_
+from smoe.compute.sequence import Sequence_
 from smoe.compute.tracing import Tracer
-from smoe.compute.worker import ComputeThread, LoopSlots
-from smoe.engine.batcher import Batcher, Ticket
+from smoe.engine.batcher import Ticket
 from smoe.engine.build import EngineParts, open_parts
 from smoe.engine.events import Event, GenerationStats
-from smoe.engine.group import Group
+from smoe.engine.group import Group, make_group, point
 from smoe.engine.handles import SequenceHandle
-from smoe.engine.mirror import Leader, Request
-from smoe.engine.ranks import Ranks
+from smoe.engine.learning import Learning
+from smoe.engine.mirror import Request
 from smoe.engine.requests import ticket_events
-from smoe.engine.stats import (
-    NO_HOST_TIER,
-    BatchStats,
-    EngineInternals,
-    EngineStats,
-    HostTierStats,
-    QueueStats,
-    RingStats,
-)
+from smoe.engine.stats import EngineInternals, EngineStats, engine_stats
 from smoe.errors import SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
-from smoe.io.reader import RecordReader
-from smoe.io.ring import ExpertRing
 from smoe.plan.budget import Fit
 from smoe.plan.options import EngineOptions
 from smoe.plan.plan import Plan
 from smoe.plan.plan import plan as plan_engine
-from smoe.sched.popularity import Popularity
-from smoe.sched.scheduler import ExpertScheduler
-from smoe.sched.types import Priority
+from smoe.sampling import SamplingParams
 from smoe.util.allocator import bound_malloc, limit_mlx_cache
 from smoe.vault.format import Vault
 from smoe.vault.source import open_model
@@ -65,10 +50,6 @@ if TYPE_CHECKING:
     from smoe.engine.conversation import Conversation
 
 log = logging.getLogger("smoe.engine")
-
-
-# The token Engine.warm_up repeats (any id does; modulo the vocabulary).
-WARM_UP_TOKEN = 11
 
 
 def _batchable(model_type: str) -> bool:
@@ -88,7 +69,8 @@ class Engine:
         # A vault, or a checkpoint folder streamed from its shards (docs/sources.md).
         self.vault = vault if isinstance(vault, Vault) else open_model(vault)
         self.options = options
-        self.tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
+        self._tracer = Tracer(spec=options.spec, lookahead=options.lookahead)
+        self.learning = Learning(self, self._tracer)  # pre-warm, warm-up, routing archive
         self._lock = asyncio.Lock()  # one job at a time on the compute thread
         self._opened = False
         self._parts: EngineParts | None = None  # the parts, while open (smoe.engine.build)
@@ -96,11 +78,13 @@ class Engine:
         self._stack = contextlib.AsyncExitStack()  # every part's way down (``aclose``)
         self._plan: Plan | None = None
         self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.plan.budget)
-        self.max_batch = 1  # generations decoded together: options.max_batch on this device
+        self.dtype: Any = None  # the compute dtype (an mx.Dtype), once open
+        self.max_context = 0  # tokens a sequence may hold, once open
         # I/O threads: options.workers, or the disk's choice when the engine opens
-        self.workers = options.workers or DEFAULT_WORKERS
-        self.workers_line: str | None = None  # how they were chosen, where a probe ran
-        self.host_tier_line: str | None = None  # the host tier's size, where there is one
+        self._workers = options.workers or DEFAULT_WORKERS
+        # What opening decided, for the user: how --memory divided, the host tier's size,
+        # how the I/O workers were chosen (each where there is one), as logged.
+        self.start_lines: list[str] = []
         # The backbone's hash running in the background (see __aenter__), or None.
         self._backbone_check: asyncio.Future[bool] | None = None
 
@@ -123,20 +107,22 @@ class Engine:
         self._check_shard_alone()
         if self.options.memory is not None:  # a promise: what malloc keeps, bounded
             bound_malloc()  # (the CLI did it before any thread; here for the Python API)
+        workers_line = None
         if self.options.workers is None:
-            self.workers, self.workers_line = await self._auto_workers()
-            if self.workers_line is not None:
-                log.info(self.workers_line)
+            self._workers, workers_line = await self._auto_workers()
         plan = self._check_and_plan()
         self.fit = plan.ring.fit
         if self.fit is not None:
-            log.info(self.fit.line())
+            self.start_lines.append(self.fit.line())
         if plan.host_tier.images:
-            self.host_tier_line = (
+            self.start_lines.append(
                 f"{plan.host_tier.line()} beside a ring of {plan.ring.slots:,} (misses it "
                 "holds are copied over the bus, not read from the disk)"
             )
-            log.info(self.host_tier_line)
+        if workers_line is not None:
+            self.start_lines.append(workers_line)
+        for line in self.start_lines:
+            log.info(line)
         # The backbone is untrusted: hash it before loading it, or, where its last hash was
         # good and its metadata has not changed since, in the background while the engine
         # opens (bit rot keeps metadata); every request waits for that before its first
@@ -149,13 +135,14 @@ class Engine:
         try:
             self._limit_mlx_cache(plan)
             self._parts = await open_parts(
-                self.vault, self.options, plan, self.workers, self.tracer, self._lock, self._stack
+                self.vault, self.options, plan, self._workers, self._tracer, self._lock, self._stack
             )
         except BaseException:
             await self.aclose()
             raise
-        self._group = Group(
-            self._parts, self.vault.manifest.num_records, self._lock, self.point, self._stack
+        m = self.vault.manifest
+        self._group = make_group(
+            self._parts, self._parts.ranks, m.num_records, self._lock, self._stack
         )
         self._opened = True
         return self
@@ -185,11 +172,10 @@ class Engine:
         p = plan_engine(
             self.vault,
             self.options,
-            workers=self.workers,
+            workers=self._workers,
             batchable=_batchable(self.vault.config()["model_type"]),
         )
-        self._plan, self._device, self.dtype = p, p.mlx_device, p.dtype
-        self.max_batch, self.max_context = p.max_batch, p.max_context
+        self._plan, self.dtype, self.max_context = p, p.dtype, p.max_context
         return p
 
     async def _auto_workers(self) -> tuple[int, str | None]:
@@ -241,38 +227,30 @@ class Engine:
         return self._parts
 
     @property
-    def compute(self) -> ComputeThread:
-        """The compute thread: ``await engine.compute.run(fn, *args)`` runs MLX work."""
-        return self._open_parts().compute
+    def is_open(self) -> bool:
+        """Whether the engine takes requests: opened and not closed since."""
+        return self._opened
 
     @property
-    def runner(self) -> Runner:
-        """The model's runner (compute thread only)."""
-        return self._open_parts().runner
+    def group(self) -> Group:
+        """One process or this rank's share of several (smoe.engine.group): whether it
+        speaks to the user, collectives, leading and following. SmoeError if not open."""
+        if self._group is None:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        return self._group
 
     @property
-    def batcher(self) -> Batcher:
-        return self._open_parts().batcher
+    def plan(self) -> Plan | None:
+        """What the engine was planned to be when it opened (device, dtype, context, ring,
+        host tier); None before."""
+        return self._plan
 
     @property
-    def scheduler(self) -> ExpertScheduler:
-        return self._open_parts().scheduler
-
-    @property
-    def ring(self) -> ExpertRing:
-        return self._open_parts().ring
-
-    @property
-    def reader(self) -> RecordReader:
-        return self._open_parts().reader
-
-    @property
-    def slots(self) -> LoopSlots:
-        return self._open_parts().slots
-
-    @property
-    def popularity(self) -> Popularity:
-        return self._open_parts().popularity
+    def debug(self) -> EngineInternals:
+        """The engine's parts, the one door to them (EngineInternals: for the engine's own
+        modules, tests and benchmarks; not a stable API). Each part keeps its own thread
+        rules."""
+        return EngineInternals.of(self._parts, self._tracer)
 
     @property
     def tokenizer(self) -> Any:
@@ -280,174 +258,21 @@ class Engine:
         return self._open_parts().tokenizer
 
     @property
-    def ranks(self) -> Ranks | None:
-        """This process's place among expert-parallel ranks; None for one process (and
-        before the engine opens)."""
-        return self._parts.ranks if self._parts is not None else None
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted to the batch (a server's queue)."""
+        return self._open_parts().batcher.queued
 
     @property
-    def speaks(self) -> bool:
-        """Whether this process talks to the user: one process, or rank 0 of several
-        (the other ranks run the same requests silently)."""
-        return self.ranks is None or self.ranks.rank == 0
-
-    @property
-    def leader(self) -> Leader | None:
-        """Rank 0 announcing its requests to the others (``lead``), or None."""
-        return self._group.leader if self._group is not None else None
-
-    @property
-    def rules(self) -> Any:
-        """The device's kernel rules (smoe.compute.solo_rows), or None."""
-        if self._parts is not None:
-            return self._parts.runner.rules
-        return self._plan.rules if self._plan is not None else None
-
-    # ---------------------------------------------------------------- ranks
-    def _open_group(self) -> Group:
-        if self._group is None:
-            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
-        return self._group
-
-    async def from_rank0(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank (``value`` itself without ranks). A collective:
-        every rank calls it at the same point. GroupError if the group broke."""
-        return await self._open_group().from_rank0(value)
-
-    async def rank_stats(self) -> list[dict[str, Any]]:
-        """Each rank's I/O so far, in rank order (this process's alone without ranks):
-        experts owned, hit rate, bytes read, seconds waiting for reads, and the layer sums
-        over ranks with their seconds. A collective, as ``from_rank0``."""
-        return await self._open_group().rank_stats()
-
-    async def lead(self) -> None:
-        """Rank 0: announce every request to the other ranks, which run them too (they
-        call ``follow``). See smoe.engine.group.Group.lead for errors."""
-        await self._open_group().lead()
-
-    async def follow(self) -> None:
-        """Another rank: run rank 0's requests until it ends the group. See
-        smoe.engine.group.Group.follow for errors and cancellation."""
-        await self._open_group().follow()
-
-    def _refuse_while_leading(self, what: str) -> None:
-        if self._group is not None:
-            self._group.refuse_while_leading(what)
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the engine takes requests: opened and not closed since."""
-        return self._opened
-
-    # ---------------------------------------------------------------- learning cache
-    def prewarm(self) -> int:
-        """Queue speculative reads of the historically hottest experts into EMPTY slots
-        (never evicting anything); the next request drops those not yet started. Where
-        the ring holds the whole model, every missing expert is queued (the hottest first):
-        once all are in, they are pinned for good and decode runs as in memory, built
-        ahead. Call when idle (the REPL does while waiting for input). Returns how many
-        were queued."""
-        if not self._opened:
-            return 0
-        free = self.scheduler.num_slots - self.scheduler.fill()
-        if free <= 0:
-            return 0
-        keys = self.popularity.hottest(self.scheduler.num_slots)
-        m = self.vault.manifest
-        if self.ranks is None and self.scheduler.num_slots >= m.num_records:
-            hot = set(keys)
-            every = [(spec.layer, e) for spec in m.layers for e in range(m.num_experts)]
-            keys += [k for k in every if k not in hot]
-        wanted = [
-            k
-            for k in keys
-            if self.scheduler.slot_of(k) is None and (self.ranks is None or self.ranks.owns(*k))
-        ][:free]
-        by_layer: dict[int, list[int]] = {}
-        for layer, expert in wanted:
-            by_layer.setdefault(layer, []).append(expert)
-        return sum(self.scheduler.prefetch(layer, e) for layer, e in by_layer.items())
-
-    async def load_all(self) -> float:
-        """Read every expert into a ring that holds them all, layer by layer, before any
-        request: the model then runs as in memory from its first token (as mlx-lm and
-        llama.cpp load a model first). Returns the seconds it took. Raises SmoeError where
-        the ring holds fewer experts than the model (naming the fix) or across ranks.
-        Cancelling it leaves the experts read so far in the ring."""
-        import time
-
-        from smoe.errors import SmoeError
-        from smoe.util.sizes import format_bytes
-
-        m = self.vault.manifest
-        if self.ranks is not None or self.scheduler.num_slots < m.num_records:
-            need = m.num_records * self.stats().ring.slot_bytes
-            raise SmoeError(
-                f"--preload needs a ring of every expert ({m.num_records}, "
-                f"{format_bytes(need)} of them); this one holds {self.scheduler.num_slots}: "
-                "raise --memory or leave --preload out"
-            )
-        start = time.perf_counter()
-        every = range(m.num_experts)
-        for spec in m.layers:
-            self.scheduler.release(await self.scheduler.acquire(spec.layer, every))
-        return time.perf_counter() - start
+    def on_gpu(self) -> bool:
+        """Whether the engine computes on a GPU (known once it opens)."""
+        return self._plan is not None and self._plan.device.gpu
 
     def stats(self) -> EngineStats:
         """What the engine is doing now: the scheduler's counters, the ring, the read
         queues, the batch, the compute dtype. Cheap (no device work); call it any time
-        after open, from the event loop."""
-        from smoe.io.ring import slot_size
-
-        sched, batcher = self.scheduler, self.batcher
-        drafting = self.runner.drafting
-        return EngineStats(
-            scheduler=sched.stats,
-            ring=RingStats(sched.num_slots, sched.fill(), slot_size(self.ring), self.ring.nbytes),
-            host_tier=self._host_tier_stats(),
-            queues=QueueStats(
-                sched.queue_depth(Priority.DEMAND),
-                sched.queue_depth(Priority.SPECULATIVE),
-                sched.in_flight,
-            ),
-            batch=BatchStats(
-                len(batcher.active),
-                batcher.queued,
-                batcher.max_batch,
-                batcher.steps,
-                batcher.step_rows / batcher.steps if batcher.steps else 0.0,
-            ),
-            compute_dtype=str(self.dtype).split(".")[-1],
-            compute_dtype_note=self._dtype_note,
-            arithmetic=self._arithmetic(),
-            direct_io=self.reader.direct,
-            draft=drafting.stats.to_json() if drafting is not None else None,
-            steps=self.runner.timeline.summary(),
-            resident_hits=self.slots.resident_hits,
-        )
-
-    def _host_tier_stats(self) -> HostTierStats:
-        tier = self.debug.host_tier
-        if tier is None:
-            return NO_HOST_TIER
-        return HostTierStats(
-            tier.capacity,
-            tier.records(),
-            tier.image_bytes,
-            tier.hits,
-            tier.demoted,
-            tier.kept,
-            tier.dropped,
-        )
-
-    @property
-    def debug(self) -> EngineInternals:
-        """The engine's parts, for tests and benchmarks (EngineInternals: not a stable
-        API); a part not made yet, or gone since close, is None. Each part keeps its own
-        thread rules."""
-        names = [f.name for f in dataclasses.fields(EngineInternals)]
-        found = {name: getattr(self._parts, name, None) for name in names}
-        return EngineInternals(**{**found, "tracer": self.tracer})
+        after open, from the event loop. SmoeError if not open."""
+        dtype = str(self.dtype).split(".")[-1]
+        return engine_stats(self._open_parts(), dtype, self._dtype_note, self._arithmetic())
 
     @functools.cached_property
     def _dtype_note(self) -> str:
@@ -461,7 +286,7 @@ class Engine:
         from smoe.compute.native import NativeLinear, NativeSwitchLinear
 
         kinds = (NativeLinear, NativeSwitchLinear)
-        return any(isinstance(m, kinds) for m in self.runner.model.modules())
+        return any(isinstance(m, kinds) for m in self._open_parts().runner.model.modules())
 
     def _arithmetic(self) -> str:
         """Whose kernels run the matmuls (smoe.compute.native.arithmetic); which kinds of
@@ -472,69 +297,6 @@ class Engine:
 
         device = mx.gpu if self.on_gpu else mx.cpu
         return arithmetic(device, self._native_installed, self.options.cpu_kernels == "mlx")
-
-    @property
-    def on_gpu(self) -> bool:
-        """Whether the engine computes on a GPU (set when it opens)."""
-        import mlx.core as mx
-
-        return bool(getattr(self, "_device", None) == mx.gpu)
-
-    # ---------------------------------------------------------------- warm-up
-    async def warm_up(self, **sampling: Any) -> float:
-        """Run a short throwaway generation, so that MLX compiles the kernels a reply uses
-        before anyone waits for one. On a fresh machine that takes seconds: the C++
-        compiler on the CPU, NVRTC on CUDA. MLX keeps the results in its own cache, so a
-        later process pays less. ``sampling``: generate()'s settings that replies will use
-        (temperature, top_p, ...; default greedy). Call it before serving requests. It
-        reads about two tokens' experts; those reads are real and counted, but its routing
-        is left out of the popularity counts that the learning cache keeps. Returns the
-        seconds it took. Cancellation and errors: as generate()'s."""
-        import time
-
-        start = time.perf_counter()
-        shape = self.vault.manifest.shape
-        # One token repeated: every position keeps the same hidden state (attention
-        # averages equal values), so the whole prompt reads one token's experts; it is long
-        # enough for the expert calls mlx-lm sorts (from 64 (token, rank) pairs).
-        length = min(max(16, 64 // shape.experts_per_token + 1), self.max_context - 2)
-        prompt = [WARM_UP_TOKEN % shape.vocab_size] * length
-        observers = self.tracer.observers
-        popularity, observers.popularity = observers.popularity, None
-        try:
-            async for _ in self.generate(prompt, max_tokens=2, stop_at_eos=False, **sampling):
-                pass
-        finally:
-            observers.popularity = popularity
-        return time.perf_counter() - start
-
-    def _demand_arrives(self) -> None:
-        """Pre-warm and stale bets give way at once to a real request."""
-        self.scheduler.cancel_speculative()
-
-    # ---------------------------------------------------------------- routing archive
-    def start_recording(self, depth: int = 16) -> None:
-        """Record every (token, MoE layer) routing decision with its top-``depth`` gate
-        ranking from now on (see smoe.telemetry.archive)."""
-        from smoe.telemetry.archive import ArchiveRecorder
-
-        m = self.vault.manifest
-        self.tracer.observers.recorder = ArchiveRecorder(
-            m.num_experts, m.shape.experts_per_token, [s.layer for s in m.layers], depth
-        )
-
-    def stop_recording(self) -> Any:
-        """Stop recording; return the RoutingArchive (None if not recording)."""
-        recorder, self.tracer.observers.recorder = self.tracer.observers.recorder, None
-        if recorder is None:
-            return None
-        return recorder.archive(
-            {
-                "vault": str(self.vault.path),
-                "model_type": self.vault.manifest.shape.model_type,
-                "record_bytes": self.vault.manifest.record.stride,
-            }
-        )
 
     # ---------------------------------------------------------------- API
     def check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
@@ -570,7 +332,7 @@ class Engine:
         generation (save, load, fork) and for tests that need the engine still. Cancelling
         the wait for it raises CancelledError and holds nothing; VaultError if the
         backbone's background hash found it damaged."""
-        self._refuse_while_leading("saving, loading or forking a conversation's cache")
+        self.group.refuse_while_leading("saving, loading or forking a conversation's cache")
         await self._backbone_checked()  # (what runs inside may compute with the backbone)
         async with self._lock:
             yield
@@ -579,11 +341,12 @@ class Engine:
         """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other
         than which experts the ring happens to hold."""
         ids = self.check_prompt(token_ids)
-        self._refuse_while_leading("teacher-forced logits")
+        self.group.refuse_while_leading("teacher-forced logits")
         await self._backbone_checked()
+        parts = self._open_parts()
         async with self._lock:
-            self._demand_arrives()
-            return await self.compute.run(self.runner.logits, ids)
+            parts.scheduler.cancel_speculative()  # pre-warm and stale bets give way
+            return await parts.compute.run(parts.runner.logits, ids)
 
     async def generate(
         self,
@@ -655,38 +418,28 @@ class Engine:
         if outside:
             raise SmoeError(f"logit_bias ids {outside[:5]} are outside the vocabulary")
         own = cast(Sequence_ | None, sequence)  # handles are the sequences it made
-        if self.ranks is not None and params.temperature > 0 and params.seed is None:
-            if self.leader is None:
-                raise SmoeError(
-                    "ranks sample the same tokens only from the same seed: give a seed "
-                    "(smoe generate --seed N) or sample greedily"
-                )
-            # Leading: rank 0 picks the seed, and announces it with the request.
-            params = dataclasses.replace(params, seed=secrets.randbits(31))
         eos = self._eos(stop_at_eos)
-        leader = self.leader
-        request = None
-        if leader is not None:
-            request = leader.describe(own, ids, params, max_tokens, eos)
+        params, request = self.group.request(own, ids, params, max_tokens, eos)
+        runner, group = self._open_parts().runner, self.group
 
         def prepare() -> Sequence_:  # compute thread
-            seq, run = self.point(own, ids, params)
-            if leader is not None and request is not None and request.new:
-                leader.sequences.adopt(seq, request.sequence)
+            seq, run = point(runner, own, ids, params)
+            group.adopt(seq, request)
             if on_prepared is not None:
                 on_prepared(seq, run)
             return seq
 
         return self._stream(prepare, len(ids), max_tokens, eos, request)
 
-    def point(
-        self, sequence: Sequence_ | None, ids: list[int], params: SamplingParams
-    ) -> tuple[Sequence_, int]:
-        """Compute thread only: ``sequence`` (or a new one) pointed at ``ids``, keeping the
-        cached prefix they share (``Runner.prepare``); returns it and how many prompt
-        tokens remain to prefill."""
-        seq = sequence if sequence is not None else Sequence_(cache=self.runner.new_cache())
-        return seq, self.runner.prepare(seq, ids, params)
+    async def fork(self, sequence: SequenceHandle) -> SequenceHandle:
+        """An independent copy of ``sequence`` (a handle from ``stream``'s
+        ``on_prepared``): same tokens and KV cache, decoding apart. Runs on the compute
+        thread after the job in progress; hold ``exclusive()`` around it where a generation
+        could be using ``sequence``. SmoeError while other ranks follow this one."""
+        self.group.refuse_while_leading("copying a sequence")
+        parts = self._open_parts()
+        own = cast(Sequence_, sequence)
+        return cast(SequenceHandle, await parts.compute.run(parts.runner.copy, own))
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see Conversation)."""
@@ -723,7 +476,7 @@ class Engine:
         await self._backbone_checked()
         ticket = Ticket(prepare, max_tokens, eos)
         ticket.request = request  # what the other ranks run, when they follow this one
-        self.batcher.submit(ticket)
+        self._open_parts().batcher.submit(ticket)
         stats = GenerationStats(
             prompt_tokens=prompt_len, compute_dtype=str(self.dtype).split(".")[-1]
         )

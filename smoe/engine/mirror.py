@@ -132,6 +132,14 @@ class Leader:
         fields = dataclasses.asdict(params)
         return Request(number, new, list(ids), fields, max_tokens, sorted(eos))
 
+    def admit(self, batcher: Batcher, ticket: Ticket) -> None:
+        """A ticket waits until an iteration's start has announced it."""
+        batcher.incoming.append(ticket)
+
+    def gone(self, ticket: Ticket) -> bool:
+        """A cancel acts once announced (``leaving``): every rank drops it together."""
+        return ticket.leaving
+
     def pending(self) -> bool:
         """Whether an iteration must run even with no request (a gather is waiting)."""
         return bool(self._gathers)
@@ -183,10 +191,11 @@ class Leader:
                 done.set_result(rows)
 
     async def end(self, batcher: Batcher) -> None:
-        """Tell the other ranks to stop (between iterations)."""
-        if self.broken is None and self.bell.lost is None:  # else nobody is left to tell
-            await self.bell.ring()
-            await self._exchange(json.dumps([{"kind": END}]).encode())
+        """Tell the other ranks to stop, between iterations (no rank is inside a pass)."""
+        async with batcher.lock:
+            if self.broken is None and self.bell.lost is None:  # else nobody is left to tell
+                await self.bell.ring()
+                await self._exchange(json.dumps([{"kind": END}]).encode())
 
     def check(self, batcher: Batcher) -> None:
         """After an iteration: a failed request may have left the ranks' sums out of step
@@ -216,13 +225,29 @@ class Follower:
         self.sequences: dict[int, Any] = {}
         self.tickets: dict[int, Ticket] = {}
 
+    def admit(self, batcher: Batcher, ticket: Ticket) -> None:
+        raise SmoeError("a rank that follows rank 0 runs rank 0's requests only")
+
+    def gone(self, ticket: Ticket) -> bool:
+        return ticket.leaving  # as rank 0 announced it
+
     def pending(self) -> bool:
         return False  # a follower runs iterations when rank 0 announces them
+
+    def check(self, batcher: Batcher) -> None:
+        return None  # ``follow`` raises a failed pass's error itself
+
+    async def end(self, batcher: Batcher) -> None:
+        return None  # rank 0 ends the group; this rank leaves ``follow`` then
 
     async def close(self) -> None:
         await self._door.close()
 
-    async def start(self, batcher: Batcher) -> bool:
+    async def start(self, batcher: Batcher) -> None:
+        """Run by ``follow`` itself (``apply``), not by the batcher's loop."""
+        raise SmoeError("a following rank's iterations start in follow()")
+
+    async def apply(self, batcher: Batcher) -> bool:
         """Wait for rank 0's next announcement and apply it; False at the group's end."""
         await self._door.wait()  # idle here, in the event loop, not inside a collective
         changes = json.loads(bytes(await self._exchange(None)).decode())
@@ -263,16 +288,16 @@ class Follower:
 async def follow(batcher: Batcher, follower: Follower) -> None:
     """Run rank 0's iterations until it ends the group. Raises the error of a failed pass
     on this rank (the ranks are out of step after it), or GroupError if the group broke."""
-    batcher.coordinator = follower
+    alone, batcher.coordinator = batcher.coordinator, follower
     try:
         while True:
             async with batcher.lock:
-                if not await follower.start(batcher):
+                if not await follower.apply(batcher):
                     return
                 await batcher.iterate()
                 for ticket in follower.tickets.values():
                     if ticket.error is not None:
                         raise ticket.error
     finally:
-        batcher.coordinator = None  # this rank decides alone again (closing, for one)
+        batcher.coordinator = alone  # this rank decides alone again (closing, for one)
         await follower.close()

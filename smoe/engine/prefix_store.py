@@ -42,7 +42,7 @@ from smoe.util.files import fsync_path, sweep_stale, temp_path
 from smoe.util.tokens import common_prefix
 
 if TYPE_CHECKING:
-    from smoe.compute.runner import Sequence_
+    from smoe.compute.sequence import Sequence_
     from smoe.engine.core import Engine
     from smoe.engine.handles import SequenceHandle
 
@@ -186,7 +186,7 @@ class PrefixStore:
         engine = self.engine
         try:
             async with engine.exclusive():  # (mlx reads the file on the compute thread)
-                seq = await engine.compute.run(self._load, entry)
+                seq = await engine.debug.parts().compute.run(self._load, entry)
         except SmoeError as e:
             self._forget(entry)
             self.counts.ignored += 1
@@ -202,7 +202,7 @@ class PrefixStore:
     def _load(self, entry: Entry) -> Sequence_:  # compute thread
         from mlx_lm.models.cache import load_prompt_cache
 
-        from smoe.compute.runner import Sequence_
+        from smoe.compute.sequence import Sequence_
 
         path = entry.path
         try:
@@ -217,7 +217,7 @@ class PrefixStore:
             self._fingerprint
         ):
             raise SmoeError(f"{path.name} changed since the directory was read")
-        if len(cache) != len(self.engine.runner.new_cache()):
+        if len(cache) != len(self.engine.debug.parts().runner.new_cache()):
             raise SmoeError(f"{path.name} holds {len(cache)} KV layers, not this model's")
         offsets = {int(getattr(c, "offset", len(entry.tokens))) for c in cache if not c.empty()}
         if offsets != {len(entry.tokens)}:
@@ -239,7 +239,7 @@ class PrefixStore:
             return
         path = self.directory / f"{self._key(tokens)}{SUFFIX}"
         tmp = temp_path(path, keep_suffix=True)
-        job = self.engine.compute.submit(self._write, seq, tmp)
+        job = self.engine.debug.parts().compute.submit(self._write, seq, tmp)
         task = asyncio.get_running_loop().create_task(self._finish(job, tmp, path))
         self._writes.add(task)
         self._pending.append(tokens)  # (a write under way covers its ids too)
@@ -261,7 +261,7 @@ class PrefixStore:
 
         if seq.prompt is not None:  # a prefill cut off midway: nothing whole to keep
             return []
-        self.engine.runner.settle(seq)
+        self.engine.debug.parts().runner.settle(seq)
         tokens = list(seq.tokens[: seq.cached])
         meta = {
             "format": FORMAT,

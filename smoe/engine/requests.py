@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from smoe.compute.runner import cache_nbytes
+from smoe.compute.sequence import cache_nbytes
 from smoe.engine.batcher import End, Failed, Prompt, Ticket
 from smoe.engine.events import Event, GenerationStats
 

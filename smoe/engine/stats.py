@@ -5,9 +5,23 @@ CLI's summary, the REPL's /stats and status bar, the server's /v1/smoe/stats and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from smoe.errors import SmoeError
 from smoe.sched.stats import SchedulerStats
+from smoe.sched.types import Priority
+
+if TYPE_CHECKING:
+    from smoe.compute.runner import Runner
+    from smoe.compute.tracing import Tracer
+    from smoe.compute.worker import ComputeThread, LoopSlots
+    from smoe.engine.batcher import Batcher
+    from smoe.engine.build import EngineParts
+    from smoe.io.host_tier import HostTier
+    from smoe.io.reader import RecordReader
+    from smoe.io.ring import ExpertRing
+    from smoe.sched.popularity import Popularity
+    from smoe.sched.scheduler import ExpertScheduler
 
 
 @dataclass(frozen=True)
@@ -110,16 +124,81 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class EngineInternals:
-    """``Engine.debug``: the engine's parts, for tests and benchmarks that must drive or
-    inspect one directly (a forced ordering, an invariant check, a fault injected). Not a
-    stable API: what a user needs is on Engine itself and in ``Engine.stats()``."""
+    """``Engine.debug``: the engine's parts, the one door to them: for the engine's own
+    modules (``parts()``), and for tests and benchmarks that must drive or inspect one
+    directly (a forced ordering, an invariant check, a fault injected). Not a stable API:
+    what a user needs is on Engine itself and in ``Engine.stats()``. A field is None
+    before the engine opens and after it closes."""
 
-    scheduler: Any  # smoe.sched.scheduler.ExpertScheduler (event loop only)
-    runner: Any  # smoe.compute.runner.Runner (compute thread only)
-    ring: Any  # smoe.io.ring.ExpertRing
-    batcher: Any  # smoe.engine.batcher.Batcher
-    reader: Any  # smoe.io.reader.RecordReader
-    host_tier: Any  # smoe.io.host_tier.HostTier, or None
-    compute: Any  # smoe.compute.worker.ComputeThread: run(fn, *args) on the compute thread
-    tracer: Any  # smoe.compute.tracing.Tracer
-    popularity: Any  # smoe.sched.popularity.Popularity
+    scheduler: ExpertScheduler | None  # event loop only
+    runner: Runner | None  # compute thread only
+    ring: ExpertRing | None
+    batcher: Batcher | None
+    reader: RecordReader | None
+    host_tier: HostTier | None  # None also where the engine has no host tier
+    compute: ComputeThread | None  # run(fn, *args) on the compute thread
+    tracer: Tracer
+    popularity: Popularity | None
+    slots: LoopSlots | None
+    open_parts: EngineParts | None
+
+    def parts(self) -> EngineParts:
+        """Every part, typed; SmoeError if the engine is not open."""
+        if self.open_parts is None:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
+        return self.open_parts
+
+    @classmethod
+    def of(cls, parts: EngineParts | None, tracer: Tracer) -> EngineInternals:
+        if parts is None:
+            return cls(None, None, None, None, None, None, None, tracer, None, None, None)
+        p = parts
+        return cls(
+            p.scheduler, p.runner, p.ring, p.batcher, p.reader, p.host_tier, p.compute,
+            tracer, p.popularity, p.slots, p,
+        )  # fmt: skip
+
+
+def engine_stats(parts: EngineParts, dtype: str, dtype_note: str, arithmetic: str) -> EngineStats:
+    """``Engine.stats()`` from the open engine's parts (no device work)."""
+    from smoe.io.ring import slot_size
+
+    sched, batcher, runner = parts.scheduler, parts.batcher, parts.runner
+    return EngineStats(
+        scheduler=sched.stats,
+        ring=RingStats(sched.num_slots, sched.fill(), slot_size(parts.ring), parts.ring.nbytes),
+        host_tier=_host_tier_stats(parts.host_tier),
+        queues=QueueStats(
+            sched.queue_depth(Priority.DEMAND),
+            sched.queue_depth(Priority.SPECULATIVE),
+            sched.in_flight,
+        ),
+        batch=BatchStats(
+            len(batcher.active),
+            batcher.queued,
+            batcher.max_batch,
+            batcher.steps,
+            batcher.step_rows / batcher.steps if batcher.steps else 0.0,
+        ),
+        compute_dtype=dtype,
+        compute_dtype_note=dtype_note,
+        arithmetic=arithmetic,
+        direct_io=parts.reader.direct,
+        draft=runner.drafting.stats.to_json() if runner.drafting is not None else None,
+        steps=runner.timeline.summary(),
+        resident_hits=parts.slots.resident_hits,
+    )
+
+
+def _host_tier_stats(tier: HostTier | None) -> HostTierStats:
+    if tier is None:
+        return NO_HOST_TIER
+    return HostTierStats(
+        tier.capacity,
+        tier.records(),
+        tier.image_bytes,
+        tier.hits,
+        tier.demoted,
+        tier.kept,
+        tier.dropped,
+    )

@@ -1,49 +1,48 @@
 """`smoe plan`: before loading anything, whether a model fits a memory budget and how fast
 it will run there (docs/plan.md).
 
-The fit is the engine's own arithmetic (smoe.plan.plan, the engine's own call), from
-config.json and safetensors headers; the speed is smoe.forecast.speed's model over a disk
-probe (smoe.io.disk_probe) and a compute probe (smoe.forecast.probe) and the routing curves at hand (the vault's
-popularity counts, else published locality).
+The fit is the engine's own plan (smoe.plan.plan.assess, the call the engine makes too),
+printed as it is, from config.json and safetensors headers; the speed is
+smoe.forecast.speed's model over a disk probe (smoe.io.disk_probe) and a compute probe
+(smoe.forecast.probe) and the routing curves at hand (the vault's popularity counts, else
+published locality).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 
-from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.errors import SmoeError
 from smoe.forecast.probe import PROBE_TOKENS, probe_compute, recorded_compute
 from smoe.forecast.speed import Shape, forecast, routing_probabilities
+from smoe.forecast.subject import Sizing, Subject, open_subject, subject_parts
 from smoe.io.disk_probe import DEFAULT_WORKERS, auto_workers, probe_disk
 from smoe.models.registry import layer_major_prefill
 from smoe.plan.budget import (
     KV_STEP,
     Attention,
     BudgetParts,
-    backbone_bytes,
-    budget_parts_for,
+    Fit,
     default_contexts,
     fit,
     pass_bytes,
     pass_tokens,
     pick_context,
-    suggest_at_least,
+    smallest_context,
 )
-from smoe.plan.host_tier import plan_host_tier
+from smoe.plan.host_tier import NONE as NO_HOST_TIER
+from smoe.plan.host_tier import HostTierPlan, plan_host_tier
 from smoe.plan.memory import available_memory
 from smoe.plan.options import EngineOptions
-from smoe.plan.plan import Plan, device_and_dtype, plan
-from smoe.plan.ring import Device, budget_parts, ring_kind, slot_bytes
-from smoe.vault.layout import RECORD_ALIGN, RecordLayout
-from smoe.vault.names import MANIFEST
+from smoe.plan.plan import assess, device_and_dtype
+from smoe.plan.ring import Device, ring_kind, slot_bytes
+from smoe.util.sizes import as_written, round_size
 
 
 @dataclass
@@ -63,6 +62,11 @@ class PlanOptions:
         """The worker count (make_plan resolves None first, as the engine does)."""
         return self.workers or DEFAULT_WORKERS
 
+    @property
+    def sizing(self) -> Sizing:
+        """What the parts beside the ring are sized from, as the engine is given it."""
+        return Sizing(self.max_batch, self.kv_bits, self.prefill_chunk, self.io_workers)
+
     bits: int | None = None  # a source folder: the --bits `smoe convert` would use
     probe_seconds: float = 3.0
     probe_requests: int = 4  # compute probe: measured requests (after one warm-up)
@@ -72,114 +76,15 @@ class PlanOptions:
     progress: Callable[[str], None] | None = None  # told before a probe that takes a while
 
 
-@dataclass
-class Subject:
-    """A vault or a source folder, as far as the plan needs it."""
-
-    path: Path
-    kind: str  # "vault", "source" (run as it is) or "converted" (as `smoe convert` makes it)
-    config: dict[str, Any]
-    layout: RecordLayout
-    shape: Shape
-    backbone: Any  # (dsize) -> bytes in memory
-    probe_file: Path  # a large file of the model, to probe the disk it sits on
-    popularity: np.ndarray | None
-    vault: Any = None  # what the engine opens (a Vault, or a Source for a download)
-
-
-def open_subject(path: Path, bits: int | None) -> Subject:
-    """A vault (a folder with manifest.json), a HF/MLX checkpoint folder run as it is (as
-    `smoe generate SRC` runs it), or, with ``bits``, that folder as `smoe convert --bits`
-    would make it. Raises SmoeError/VaultError naming the fix for anything else."""
-    from smoe.sched.popularity import Popularity
-    from smoe.vault.format import Vault
-    from smoe.vault.source import Source
-
-    if (path / MANIFEST).exists():
-        if bits is not None:
-            raise SmoeError("--bits is for a source folder; a vault's records are already made")
-        return _runnable(Vault.open(path), "vault", Popularity)
-    if bits is None:
-        return _runnable(Source.open(path), "source", Popularity)
-    from smoe.vault.convert import ConvertOptions, source_shape
-
-    src = source_shape(path, ConvertOptions(bits=bits))
-    ck = src.checkpoint
-    tensors = src.backbone
-
-    def backbone(dsize: int) -> int:
-        import mlx.core as mx
-
-        return sum(
-            a.size * dsize if mx.issubdtype(a.dtype, mx.floating) else a.nbytes
-            for a in tensors.values()
-        )
-
-    top = ck.topology
-    return Subject(
-        path,
-        "converted",
-        ck.config,
-        src.layout,
-        Shape(len(ck.experts), top.num_experts, top.experts_per_token, src.layout.stride),
-        backbone,
-        max(ck.files, key=lambda f: f.stat().st_size),
-        None,
-    )
-
-
-def _runnable(vault: Any, kind: str, popularity: Any) -> Subject:
-    """A Subject for what the engine can open as it is: a vault or a download (Source)."""
-    m = vault.manifest
-    header = vault.backbone_header()
-    files = getattr(vault, "index", None)
-    probe_file = max(files.files, key=lambda f: f.stat().st_size) if files else vault.experts_path
-    return Subject(
-        vault.path,
-        kind,
-        vault.config(),
-        m.record,
-        Shape(len(m.layers), m.num_experts, m.shape.experts_per_token, m.record.stride),
-        lambda dsize: backbone_bytes(header, dsize),
-        probe_file,
-        popularity(vault).counts,
-        vault,
-    )
-
-
-def _needs(
-    subject: Subject, o: PlanOptions, dtype: Any, kind: str, context: int, device: Device
-) -> BudgetParts:
-    """What the engine would budget beside the ring: the engine's own arithmetic
-    (smoe.plan.ring.budget_parts) where there is something it can open, else the same parts
-    for the vault `smoe convert` would make."""
-    if subject.vault is not None:
-        return budget_parts(
-            subject.vault, dtype, kind=kind, discrete=device.discrete, **_sizing(o, context)
-        )
-    dsize = int(dtype.size)
-    landing = 2 * o.io_workers * (subject.layout.stride + RECORD_ALIGN) if kind == "staged" else 0
-    return budget_parts_for(
-        subject.config,
-        subject.backbone(dsize),
-        dsize,
-        context=context,
-        sequences=o.max_batch,
-        kv_bits=o.kv_bits,
-        prefill_chunk=o.prefill_chunk,
-        landing=landing,
-        device_memory=device.discrete,
-    )
-
-
-def _engine_options(o: PlanOptions, context: int | None = None) -> EngineOptions:
-    """The options an engine run with these flags would get (what `smoe run` passes)."""
+def _engine_options(o: PlanOptions) -> EngineOptions:
+    """The options an engine run with these flags would get (what the run commands pass):
+    sizes made bytes there, once."""
     return EngineOptions(
         memory=o.memory,
         host_memory=o.host_memory,
         device=o.device,
         dtype=o.dtype,
-        max_context=context if context is not None else o.context,
+        max_context=o.context,
         kv_bits=o.kv_bits,
         max_batch=o.max_batch,
         prefill_chunk=o.prefill_chunk,
@@ -187,27 +92,69 @@ def _engine_options(o: PlanOptions, context: int | None = None) -> EngineOptions
     )
 
 
-def _engine_plan(subject: Subject, o: PlanOptions) -> Plan | None:
-    """The engine's own plan (smoe.plan.plan, the call Engine.open makes), or None where
-    there is nothing it can open (a `--bits` preview) or the budget is too small (the fit
-    below then words the refusal)."""
-    if subject.vault is None:
-        return None
-    try:
-        return plan(subject.vault, _engine_options(o), workers=o.io_workers)
-    except BudgetTooSmall:
-        return None
+@dataclass(frozen=True)
+class Fitted:
+    """The fit `smoe plan` prints: the engine's own where it can open the model."""
+
+    budget: Fit  # how the budget divides, fitting or not (its context, its refusal)
+    smallest: int  # the least --memory the run accepts (the same whatever --memory is)
+    host_tier: HostTierPlan
 
 
-def _sizing(o: PlanOptions, context: int) -> dict[str, Any]:
-    """The options the parts beside the ring are sized from, as the engine passes them."""
-    return {
-        "max_batch": o.max_batch,
-        "max_context": context,
-        "kv_bits": o.kv_bits,
-        "prefill_chunk": o.prefill_chunk,
-        "workers": o.io_workers,
-    }
+@dataclass(frozen=True)
+class RingSizing:
+    """The ring `smoe plan` sizes, and the options it sizes the rest with."""
+
+    kind: str
+    per_slot: int  # bytes a slot takes
+    dtype: Any
+    device: Device
+    sizing: Sizing
+
+    def parts(self, subject: Subject, context: int) -> BudgetParts:
+        return subject_parts(subject, self.sizing, self.dtype, self.kind, context, self.device)
+
+
+def fitted(subject: Subject, o: PlanOptions, options: EngineOptions, ring: RingSizing) -> Fitted:
+    """The engine's own plan (smoe.plan.plan.assess, the call Engine.open makes) where it
+    can open the model; for a `--bits` preview, the same arithmetic for the vault `smoe
+    convert` would make."""
+    if subject.vault is not None:
+        plan = assess(subject.vault, options, workers=o.io_workers)
+        return Fitted(plan.budget, plan.smallest_memory, plan.host_tier)
+    s, limit = subject.shape, Attention.of(subject.config).max_context
+
+    def at(context: int, memory: int) -> Fit:
+        needs = ring.parts(subject, context)
+        return fit(
+            memory, needs, slot_bytes=ring.per_slot, min_slots=s.top_k, num_records=s.records
+        )
+
+    memory = options.memory_bytes
+    context, default = pick_context(
+        o.context, limit, lambda c: memory is None or at(c, memory).fits
+    )
+    if memory is None:
+        memory = _default_memory(
+            ring.parts(subject, context).fixed, s.records * ring.per_slot, ring.device
+        )
+    budget = dataclasses.replace(at(context, memory), default_context=default)
+    smallest = (
+        ring.parts(subject, smallest_context(o.context, limit)).fixed + s.top_k * ring.per_slot
+    )
+    tier = NO_HOST_TIER
+    if budget.fits:
+        tier = plan_host_tier(
+            subject.layout,
+            s.records,
+            options.host_memory_bytes,
+            ring_kind=ring.kind,
+            ring_slots=budget.slots,
+            dtype=ring.dtype,
+            discrete=ring.device.discrete,
+            distributed=False,
+        )
+    return Fitted(budget, smallest, tier)
 
 
 def context_limit(needs_at: Any, top_k: int, per_slot: int, memory: int, limit: int) -> int:
@@ -245,6 +192,13 @@ def _default_memory(fixed: int, every: int, device: Device) -> int:
     return min(room, fixed + every)
 
 
+def _check_positive(memory: int | None) -> None:
+    """SmoeError for a --memory of 0 bytes or less (the run commands refuse it as too
+    small; a plan has nothing to show for it)."""
+    if memory is not None and memory <= 0:
+        raise SmoeError(f"--memory must be positive, not {as_written(memory, str)}")
+
+
 async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
     """The whole plan as JSON-able data (docs/plan.md lists its fields)."""
     import mlx.core as mx
@@ -256,77 +210,41 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
             auto_workers, subject.probe_file, subject.shape.record_bytes, size
         )
         o = dataclasses.replace(o, workers=workers)
-    mlx_device, device, dtype = device_and_dtype(_engine_options(o))  # (checks kv_bits)
-    device_name = "gpu" if mlx_device == mx.gpu else "cpu"
-    dtype_name = str(dtype).split(".")[-1]
+    options = _engine_options(o)  # (sizes made bytes)
+    mlx_device, device, dtype = device_and_dtype(options)  # (checks kv_bits)
     kind = ring_kind("auto", subject.layout, dtype, device)
-    per_slot = slot_bytes(kind, subject.layout, dtype)
+    ring = RingSizing(kind, slot_bytes(kind, subject.layout, dtype), dtype, device, o.sizing)
     attn = Attention.of(subject.config)
     s = subject.shape
-    every = s.records * per_slot
-    engine = _engine_plan(subject, o)
-    if engine is not None:
-        context, default_context, ring = engine.max_context, engine.default_context, engine.ring
-    else:  # no engine plan: the preview's context as the engine would pick it
-
-        def fits(c: int) -> bool:
-            if subject.vault is not None:  # the engine refused every default context
-                return False
-            fixed = _needs(subject, o, dtype, kind, c, device).fixed
-            return o.memory is None or _parse(o.memory) >= fixed + s.top_k * per_slot
-
-        context, default_context = pick_context(o.context, attn.max_context, fits)
-        ring = None
-    needs = _needs(subject, o, dtype, kind, context, device)
-    fixed = needs.fixed
-    # Both figures at fixed contexts, not the one this --memory got (the default halves
-    # to fit it): the smallest the run commands accept, and every expert at the default.
-    contexts = [context] if o.context is not None else default_contexts(attn.max_context)
-    smallest = _needs(subject, o, dtype, kind, contexts[-1], device).fixed + s.top_k * per_slot
-    every_fixed = _needs(subject, o, dtype, kind, contexts[0], device).fixed
-    if o.memory is not None:
-        memory = _parse(o.memory)
-    elif ring is not None:  # the engine's default ring, and the process around it
-        memory = fixed + ring.slots * per_slot
-    else:
-        memory = _default_memory(fixed, every, device)
+    every = s.records * ring.per_slot
+    got = fitted(subject, o, options, ring)
+    _check_positive(options.memory_bytes)
+    budget, context = got.budget, got.budget.context
+    # The smallest the run commands accept, and every expert at the default context: both
+    # at fixed contexts, not the one this --memory got (the default halves to fit it).
+    first = context if o.context is not None else default_contexts(attn.max_context)[0]
+    every_fixed = ring.parts(subject, first).fixed
     out: dict[str, Any] = {
         "model": str(path),
         "kind": subject.kind,
-        "device": device_name,
-        "dtype": dtype_name,
+        "device": "gpu" if mlx_device == mx.gpu else "cpu",
+        "dtype": str(dtype).split(".")[-1],
         "ring": kind,
-        "experts": _experts(s, per_slot),
-        "smallest_memory_bytes": smallest,
-        "smallest_memory": suggest_at_least(smallest),
-        "smallest_memory_context": contexts[-1],
-        "memory_for_every_expert": suggest_at_least(every_fixed + every),
-        "every_expert_context": contexts[0],
+        "experts": _experts(s, ring.per_slot),
+        "smallest_memory_bytes": got.smallest,
+        "smallest_memory": round_size(got.smallest),
+        "smallest_memory_context": smallest_context(o.context, attn.max_context),
+        "memory_for_every_expert": round_size(every_fixed + every),
+        "every_expert_context": first,
         "context_limit": context_limit(
-            lambda c: _needs(subject, o, dtype, kind, c, device),
-            s.top_k,
-            per_slot,
-            memory,
-            attn.max_context,
+            lambda c: ring.parts(subject, c), s.top_k, ring.per_slot, budget.total, attn.max_context
         ),
     }
-    try:
-        budget = fit(memory, needs, slot_bytes=per_slot, min_slots=s.top_k, num_records=s.records)
-        budget = dataclasses.replace(budget, default_context=default_context)
-    except SmoeError as e:
-        out |= {"fits": False, "fit": None, "why": str(e)}
+    if not budget.fits:
+        out |= {"fits": False, "fit": None, "why": budget.refusal()}
         return out
     out |= {"fits": True, "fit": budget.to_json(), "line": budget.line()}
-    tier = plan_host_tier(
-        subject.layout,
-        s.records,
-        o.host_memory,
-        ring_kind=kind,
-        ring_slots=budget.slots,
-        dtype=dtype,
-        discrete=device.discrete,
-        distributed=False,
-    )
+    tier = got.host_tier
     out["host_tier"] = {"images": tier.images, "bytes": tier.nbytes, "line": tier.line()}
     tokens = pass_tokens(context, o.prefill_chunk)
     out["prompt_pass"] = {  # a layer-major prefill: its tokens and what they hold
@@ -334,12 +252,20 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
         "bytes": pass_bytes(attn, int(dtype.size), tokens),
         "layer_major": layer_major_prefill(subject.config),
     }
+    await _speed(out, subject, o, budget.slots)
+    return out
+
+
+async def _speed(out: dict[str, Any], subject: Subject, o: PlanOptions, slots: int) -> None:
+    """The disk probe, the routing curves, the compute probe (where there is a vault) and
+    the forecast over them, into ``out``."""
+    s = subject.shape
     out["disk"] = disk = await _probe_disk(subject, o)
     q, source = routing_probabilities(s, subject.popularity)
     out["routing"] = source
     compute = None
     if o.compute and subject.kind == "vault":
-        compute = await _compute(subject.vault, o, device_name, dtype_name, budget.slots, disk)
+        compute = await _compute(subject.vault, o, out["device"], out["dtype"], slots, disk)
     out["compute"] = compute
     if compute is None:
         out["why_no_speed"] = (
@@ -348,9 +274,8 @@ async def make_plan(path: Path, o: PlanOptions) -> dict[str, Any]:
             else "the compute probe was skipped"
         )
     else:
-        out["forecast"] = forecast(s, budget.slots, q, disk, compute, o.prefill_chunk, o.io_workers)
-    out["cold_fill_s"] = round(budget.slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
-    return out
+        out["forecast"] = forecast(s, slots, q, disk, compute, o.prefill_chunk, o.io_workers)
+    out["cold_fill_s"] = round(slots * s.record_bytes / (disk["gbps"] * 1e9), 4)
 
 
 async def _probe_disk(subject: Subject, o: PlanOptions) -> dict[str, Any]:
@@ -398,12 +323,3 @@ async def _compute(
         chunks=o.probe_chunks,
         progress=o.progress,
     )
-
-
-def _parse(memory: int | str) -> int:
-    from smoe.util.sizes import parse_size
-
-    value = parse_size(memory)
-    if not math.isfinite(value) or value <= 0:
-        raise SmoeError(f"--memory must be positive, not {memory}")
-    return value

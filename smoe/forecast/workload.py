@@ -18,4 +18,4 @@ def random_prompt(vault: Vault, tokens: int, seed: int = 0) -> list[int]:
 
 async def fill_ring(engine: Engine) -> None:
     """Read every expert into the engine's ring (which must hold them all), untimed."""
-    await engine.load_all()
+    await engine.learning.load_all()

@@ -31,8 +31,6 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
-from smoe.errors import SmoeError
-from smoe.util.sizes import format_bytes, parse_size
 from smoe.vault.layout import ITEMSIZE, RECORD_ALIGN, RecordLayout
 
 T = TypeVar("T")
@@ -79,45 +77,6 @@ def slot_size(ring: ExpertRing) -> int:
     """Memory one slot of ``ring`` takes: the record stride in a unified ring, the device
     arrays of one expert in a staged one (the per-slot figure the budget divides by)."""
     return ring.nbytes // ring.num_slots
-
-
-def suggest_size(nbytes: int) -> str:
-    """A round --memory value >= nbytes: 84.9 MB -> '85MB', 1.23 GB -> '1.3GB'."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if nbytes >= scale:
-            whole = -(-nbytes // scale)
-            if whole >= 10:
-                return f"{whole}{unit}"
-            tenths = -(-nbytes * 10 // scale)
-            return f"{tenths // 10}.{tenths % 10}{unit}" if tenths % 10 else f"{tenths // 10}{unit}"
-    return f"{nbytes}B"
-
-
-def slots_for_budget(
-    memory: int | str,
-    slot_bytes: int,
-    min_slots: int,
-    *,
-    max_slots: int | None = None,
-    reason: str | None = None,
-) -> int:
-    """The most slots of ``slot_bytes`` that fit ``memory`` (an int or '6GB'), capped at
-    ``max_slots``. Raises SmoeError naming the smallest budget that works when ``memory``
-    holds fewer than ``min_slots``; ``reason`` says why that many (e.g. "one layer's top-8")."""
-    budget = parse_size(memory)
-    slots = max(budget, 0) // slot_bytes
-    if slots < min_slots:
-        need = min_slots * slot_bytes
-        shown = memory if isinstance(memory, str) else format_bytes(budget)
-        why = reason or "the engine"
-        raise SmoeError(
-            f"a memory budget of {shown.strip()} holds {slots} expert slots of "
-            f"{format_bytes(slot_bytes)}; {why} needs at least {min_slots} slots = "
-            f"{format_bytes(need)}: use --memory {suggest_size(need)} or more"
-        )
-    if max_slots is not None:
-        slots = min(slots, max(max_slots, min_slots))
-    return slots
 
 
 class Landing(Protocol):

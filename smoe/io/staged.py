@@ -8,11 +8,11 @@ ring never converts or copies it. A read goes:
     disk --preadv (O_DIRECT)--> landing buffer (host) --commit: MLX update--> slot (device)
 
 - Landing buffers are a fixed pool of host MLX arrays (``landings`` of them, one record
-  each), allocated once; an I/O thread takes one and reads into it; the reader checks the
-  landed bytes against the record's checksum and only then hands them over. With
-  ``bounce`` the read goes into a per-thread aligned host buffer first and is copied into
-  the landing: on CUDA, landings are managed memory, which O_DIRECT must not target
-  (docs/gpu.md).
+  each: smoe.io.landings), allocated once; an I/O thread takes one and reads into it; the
+  reader checks the landed bytes against the record's checksum and only then hands them
+  over. With ``bounce`` the read goes into a per-thread aligned host buffer first and is
+  copied into the landing: on CUDA, landings are managed memory, which O_DIRECT must not
+  target (docs/gpu.md).
 - The compute thread commits landed records: ``bank[name][local] = landing view`` (cast to
   the compute dtype) is an in-place ``slice_update`` on the compute stream. Any matmul built
   afterwards takes the updated array as input, so the device runs the copy first; no
@@ -26,8 +26,9 @@ ring never converts or copies it. A read goes:
 - A host tier (smoe.io.host_tier) hands over its own host images of slots
   (``hand_over_image``: committed as landings are, the image's ``release`` called once
   copied) and asks for a slot's content before it is overwritten (``queue_demotion``).
-  Both go through the one ordered queue of landings, so a demotion copies what the slot
-  held when it was queued, and an image is committed after whatever fills it.
+  Both go through the one ordered queue of landings (smoe.io.slot_events), so a demotion
+  copies what the slot held when it was queued, and an image is committed after whatever
+  fills it.
 - Banks: on a GPU MLX's kernels wrap their offsets past 2^31 bytes of an array, so the
   slots are split into banks whose arrays stay below that (whole MoE layers per bank where
   they fit); ``locate`` maps a slot id to (bank, slot in bank). A budget is never capped.
@@ -43,14 +44,12 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
-from smoe.io.cuda_host import keep_on_host
-from smoe.io.hugepages import HUGE_PAGE, advise_huge_pages
+from smoe.io.landings import HostLanding, StagedRead, aligned_host, make_landings
 from smoe.io.ring import (
     GPU_MAX_ARRAY_BYTES,
     check_ring_args,
@@ -58,6 +57,7 @@ from smoe.io.ring import (
     landing_block,
     mx_dtype,
 )
+from smoe.io.slot_events import SlotEvent, SlotImage, drop, segments
 from smoe.util.sizes import format_bytes
 from smoe.vault.layout import RECORD_ALIGN, Component, RecordLayout
 from smoe.vault.manifest import Manifest
@@ -75,64 +75,6 @@ def staging_override() -> bool | None:
 def target_dtype(c: Component, dtype: Any) -> Any:
     """The dtype a component is kept in: the compute dtype for floats, else its own."""
     return dtype if is_float(c.dtype) else mx_dtype(c.dtype)
-
-
-@dataclass(eq=False)
-class _Landing:
-    """One host buffer a record lands in: ``memory`` is its aligned ``stride`` bytes."""
-
-    array: Any  # mx.array [rows, 16 KiB] uint8, evaluated, host memory
-    memory: memoryview
-    start: int  # bytes from the array's start to ``memory``
-
-    def component(self, c: Component, dtype: Any) -> Any:
-        """The landed bytes of component ``c`` as a lazy [*shape] array in ``dtype``."""
-        flat = self.array.reshape(-1)
-        begin = self.start + c.offset
-        a = flat[begin : begin + c.nbytes].view(mx_dtype(c.dtype)).reshape(c.shape)
-        return a if a.dtype == dtype else a.astype(dtype)
-
-
-class _Staging:
-    """One read on its way to a slot of a StagedRing (the ring's ``Landing``)."""
-
-    def __init__(
-        self, ring: StagedRing, slot: int, land: _Landing, bounce: memoryview | None
-    ) -> None:
-        self._ring = ring
-        self._slot = slot
-        self._land: _Landing | None = land
-        self._bounce = bounce
-        self.memory = bounce if bounce is not None else land.memory
-
-    def finish(self) -> memoryview:
-        """On the thread that read: a bounced read is copied into the landing here (a CPU
-        copy: managed memory stays coherent), so that thread's bounce buffer is free."""
-        assert self._land is not None, "finish after hand_over or discard"
-        if self._bounce is not None:
-            self._land.memory[:] = self._bounce
-            self._bounce = None
-        return self._land.memory
-
-    def hand_over(self) -> None:
-        land, self._land = self._land, None
-        assert land is not None and self._bounce is None, "hand_over needs a finished read"
-        self._ring._hand_over(self._slot, land)
-
-    def discard(self) -> None:
-        land, self._land = self._land, None
-        if land is not None:
-            self._ring._give_back([land])
-
-
-def _aligned_host(nbytes: int, *, huge: bool) -> tuple[np.ndarray, memoryview]:
-    """A numpy buffer and its 16 KiB-aligned window of ``nbytes`` (huge pages if asked)."""
-    pad = HUGE_PAGE if huge else RECORD_ALIGN
-    raw = np.zeros(nbytes + pad, dtype=np.uint8)
-    start = (-int(raw.ctypes.data)) % pad
-    if huge:
-        advise_huge_pages(int(raw.ctypes.data), raw.nbytes)
-    return raw, raw[start : start + nbytes].data
 
 
 class StagedRing:
@@ -173,7 +115,7 @@ class StagedRing:
         self.bank_slots = self._bank_slots(max_bank_bytes, bank_align)
         self._banks = self._make_banks()
         self.nbytes = num_slots * self.slot_bytes(layout, dtype)
-        self._landings, self.landings_on_host = self._make_landings(landings, gpu_landings)
+        self._landings, self.landings_on_host = make_landings(landings, self.stride, gpu_landings)
         self.host_bytes = landings * (self.stride + RECORD_ALIGN)
         # Reads go through a per-thread bounce buffer only where landings could not be kept
         # on the host for a GPU (or when SMOE_STAGING says so).
@@ -187,9 +129,10 @@ class StagedRing:
         self._bounce_buffers = threading.local()
 
         self._cond = threading.Condition()
-        self._free: list[_Landing] = list(self._landings)
-        # In arrival order: ("land", slot, source, release) and ("demote", slot, image, done).
-        self._pending: collections.deque[_Event] = collections.deque()
+        self._free: list[HostLanding] = list(self._landings)
+        # In arrival order: ("land", slot, source, release) and ("demote", slot, image, done)
+        # (smoe.io.slot_events).
+        self._pending: collections.deque[SlotEvent] = collections.deque()
         self._closed = False
         self.on_landed: Callable[[], None] | None = None  # called (any thread) after a landing
         # Where the time goes (docs/performance.md): read by benchmarks.
@@ -229,24 +172,6 @@ class StagedRing:
         mx.eval([list(b.values()) for b in banks])
         return banks
 
-    def _make_landings(self, count: int, gpu_landings: bool) -> tuple[list[_Landing], bool]:
-        """``count`` landing buffers in host memory (the CPU stream's allocations; on CUDA,
-        managed memory, with ``gpu_landings`` advised to stay on the host and be mapped for
-        the GPU: smoe.io.cuda_host), and whether every one of those stayed on the host."""
-        lands: list[_Landing] = []
-        on_host = gpu_landings
-        for _ in range(count):
-            a = mx.zeros((self.stride // RECORD_ALIGN + 1, RECORD_ALIGN), mx.uint8, stream=mx.cpu)
-            mx.eval(a)
-            flat = np.asarray(a).reshape(-1)  # writable view of the MLX host buffer
-            start = (-int(flat.ctypes.data)) % RECORD_ALIGN
-            if gpu_landings:
-                on_host &= keep_on_host(int(flat.ctypes.data), flat.nbytes)
-            else:  # O_DIRECT lands here: huge pages make it ~2.5x faster
-                advise_huge_pages(int(flat.ctypes.data), flat.nbytes)
-            lands.append(_Landing(a, flat[start : start + self.stride].data, start))
-        return lands, on_host
-
     @classmethod
     def for_vault(
         cls,
@@ -281,7 +206,7 @@ class StagedRing:
         return sum(math.prod(c.shape) * target_dtype(c, dtype).size for c in layout.components)
 
     # ------------------------------------------------------------------ I/O side
-    def land(self, slot: int) -> _Staging:
+    def land(self, slot: int) -> StagedRead:
         """A free landing buffer for slot ``slot`` (blocks until one is): read into its
         ``memory`` (this thread's bounce buffer with ``bounce``), ``finish`` on the thread
         that read, then ``hand_over`` queues it for the commit, or ``discard`` gives it
@@ -289,13 +214,14 @@ class StagedRing:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         land = self._take()
-        return _Staging(self, slot, land, self._bounce() if self.bounce else None)
+        bounce = self._bounce() if self.bounce else None
+        return StagedRead(slot, land, bounce, self._hand_over, self._give_back)
 
     def landing(self, slot: int) -> AbstractContextManager[memoryview]:
         """``land`` as a block: handed over (unchecked) at its end, discarded if it raises."""
         return landing_block(self.land(slot))
 
-    def _hand_over(self, slot: int, land: _Landing) -> None:
+    def _hand_over(self, slot: int, land: HostLanding) -> None:
         self._queue(("land", slot, land, lambda: self._give_back([land])))
 
     def hand_over_image(self, slot: int, image: SlotImage, release: Callable[[], None]) -> None:
@@ -313,10 +239,10 @@ class StagedRing:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         self._queue(("demote", slot, image, done))
 
-    def _queue(self, event: _Event) -> None:
+    def _queue(self, event: SlotEvent) -> None:
         with self._cond:
             if self._closed:
-                _drop(event)
+                drop(event)
                 self._cond.notify_all()
                 return
             self._pending.append(event)
@@ -324,7 +250,7 @@ class StagedRing:
         if self.on_landed is not None:
             self.on_landed()
 
-    def _take(self) -> _Landing:
+    def _take(self) -> HostLanding:
         with self._cond:
             if not self._free and not self._closed:
                 start = time.perf_counter()
@@ -337,7 +263,7 @@ class StagedRing:
                 raise RuntimeError("the ring is closed")
             return self._free.pop()
 
-    def _give_back(self, lands: list[_Landing]) -> None:
+    def _give_back(self, lands: list[HostLanding]) -> None:
         with self._cond:
             self._free.extend(lands)
             self._cond.notify_all()
@@ -346,7 +272,7 @@ class StagedRing:
         """This I/O thread's own aligned host buffer (allocated once per thread)."""
         mine = getattr(self._bounce_buffers, "buffer", None)
         if mine is None:
-            raw, mine = _aligned_host(self.stride, huge=True)
+            raw, mine = aligned_host(self.stride, huge=True)
             self._bounce_buffers.raw, self._bounce_buffers.buffer = raw, mine
         return mine
 
@@ -360,7 +286,7 @@ class StagedRing:
             pending, self._pending = self._pending, collections.deque()
         start = time.perf_counter()
         committed = 0
-        runs = _segments(pending)
+        runs = segments(pending)
         try:
             while runs:
                 lands, demotions = runs.pop(0)
@@ -373,15 +299,15 @@ class StagedRing:
         finally:
             for lands, demotions in runs:  # what an error left: released, never applied
                 for event in demotions + lands:
-                    _drop(event)
+                    drop(event)
         self.commits += committed
         self.commit_seconds += time.perf_counter() - start
         return committed
 
-    def _land(self, lands: list[_Event]) -> int:
+    def _land(self, lands: list[SlotEvent]) -> int:
         """Apply one segment's landings (a slot landed twice keeps the last)."""
-        latest: dict[int, _Event] = {}
-        stale: list[_Event] = []
+        latest: dict[int, SlotEvent] = {}
+        stale: list[SlotEvent] = []
         for event in lands:
             if event[1] in latest:
                 stale.append(latest[event[1]])
@@ -401,7 +327,7 @@ class StagedRing:
                 event[3]()
         return len(latest)
 
-    def _demote(self, demotions: list[_Event]) -> None:
+    def _demote(self, demotions: list[SlotEvent]) -> None:
         """Copy each demoted slot's arrays into its image (one evaluation for all)."""
         if not demotions:
             return
@@ -458,7 +384,7 @@ class StagedRing:
         with self._cond:
             self._closed = True
             for event in self._pending:
-                _drop(event)
+                drop(event)
             self._pending.clear()
             self._free.clear()  # _take refuses from now on
             self._banks, self._landings = [], []
@@ -469,48 +395,3 @@ class StagedRing:
             f"StagedRing({self.num_slots} slots in {len(self._banks)} bank(s), "
             f"{format_bytes(self.nbytes)} of {self.dtype}, {len(self._landings)} landings)"
         )
-
-
-class SlotImage(Protocol):
-    """A host copy of one slot, in the slots' dtypes (smoe.io.host_tier.HostImage)."""
-
-    def component(self, c: Component, dtype: Any) -> Any:
-        """Component ``c`` as a lazy [*shape] array in ``dtype`` (the slot's)."""
-        ...
-
-    def write(self, c: Component, data: np.ndarray) -> None:
-        """Put component ``c``'s bytes (uint8, as the slot holds them) into the image."""
-        ...
-
-
-# ("land", slot, _Landing or SlotImage, release()) or ("demote", slot, SlotImage, done(ok))
-_Event = tuple[str, int, Any, Callable[..., None]]
-
-
-def _drop(event: _Event) -> None:
-    """An event that will never run: its landing released, its demotion told it failed."""
-    if event[0] == "land":
-        event[3]()
-    else:
-        event[3](False)
-
-
-def _segments(events: collections.deque[_Event]) -> list[tuple[list[_Event], list[_Event]]]:
-    """Split queued events into runs that may be applied as (demotions, then landings):
-    a run ends where a demotion would read a slot the run lands in, or a landing would
-    overwrite a slot the run demotes."""
-    runs: list[tuple[list[_Event], list[_Event]]] = []
-    lands: list[_Event] = []
-    demotions: list[_Event] = []
-    landed: set[int] = set()
-    demoted: set[int] = set()
-    for event in events:
-        kind, slot = event[0], event[1]
-        if (kind == "demote" and slot in landed) or (kind == "land" and slot in demoted):
-            runs.append((lands, demotions))
-            lands, demotions, landed, demoted = [], [], set(), set()
-        (demotions if kind == "demote" else lands).append(event)
-        (demoted if kind == "demote" else landed).add(slot)
-    if lands or demotions:
-        runs.append((lands, demotions))
-    return runs

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smoe.errors import BudgetTooSmall, SmoeError
+from smoe.errors import SmoeError
 from smoe.models.dtypes import FLOAT_SIZES, SAFETENSORS_FLOATS, FloatPolicy
-from smoe.util.sizes import format_bytes, parse_size
+from smoe.util.sizes import as_written, format_bytes, round_size, slots_for_budget
 
 # Resident set of a process that imported MLX, mlx-lm and the tokenizers and opened an
 # engine, less the backbone and ring it loaded: 289 MB measured on x86-64 Linux, Python
@@ -194,6 +194,12 @@ def pick_context(
     return next((c for c in options if fits(c)), options[-1]), True
 
 
+def smallest_context(asked: int | None, model_max: int) -> int:
+    """The least context the run accepts (where the smallest budget is named): ``asked``
+    (at most the model's maximum), else the last of ``default_contexts``."""
+    return min(asked, model_max) if asked is not None else default_contexts(model_max)[-1]
+
+
 def kv_capacity(context: int) -> int:
     """Tokens an mlx-lm cache holding ``context`` tokens has allocated (256-token steps)."""
     return -(-max(context, 1) // KV_STEP) * KV_STEP
@@ -321,6 +327,7 @@ class Fit:
     kv_bits: int | None
     default_context: bool = False  # the context was not asked for (default_contexts)
     cache: int = 0  # MLX's buffer cache, in working: the engine caps MLX's at it
+    min_slots: int = 0  # the fewest slots a ring may have: one layer's top-k
 
     @property
     def fixed(self) -> int:
@@ -329,6 +336,28 @@ class Fit:
     @property
     def ring(self) -> int:
         return self.slots * self.slot_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the budget holds the rest and at least ``min_slots`` slots."""
+        return self.slots >= self.min_slots
+
+    @property
+    def smallest(self) -> int:
+        """The least budget that fits at this context: the rest and ``min_slots`` slots."""
+        return self.fixed + self.min_slots * self.slot_bytes
+
+    def refusal(self) -> str:
+        """Why the budget does not fit, naming the smallest that works and the options that
+        shrink the rest (what BudgetTooSmall says; ``smoe plan``'s "why")."""
+        return (
+            f"a memory budget of {as_written(self.total)} cannot hold backbone "
+            f"{format_bytes(self.backbone)} + KV {format_bytes(self.kv)} ({self.sequences} x "
+            f"{self.context} context) + working {format_bytes(self.working)} + "
+            f"{self.min_slots} expert slots of {format_bytes(self.slot_bytes)}: the smallest "
+            f"that works is --memory {round_size(self.smallest)} (or shrink the KV cache: "
+            "--max-context, --kv-bits)"
+        )
 
     def line(self) -> str:
         """'memory 8.00 GB: backbone 2.10 GB + KV 0.50 GB (4096 context, 8-bit) + working
@@ -363,41 +392,25 @@ class Fit:
         }
 
 
-def suggest_at_least(nbytes: int) -> str:
-    """A round size >= nbytes: 84.9 MB -> '85MB', 1.23 GB -> '1.3GB'."""
-    if nbytes >= 10**9:
-        return f"{math.ceil(nbytes / 10**8) / 10:g}GB"
-    return f"{max(1, math.ceil(nbytes / 10**6))}MB"
-
-
 def fit(
-    memory: int | str, needs: BudgetParts, *, slot_bytes: int, min_slots: int, num_records: int
+    memory: int, needs: BudgetParts, *, slot_bytes: int, min_slots: int, num_records: int
 ) -> Fit:
-    """The ring a budget of ``memory`` leaves beside ``needs``, in whole slots (at most
-    every expert). Raises SmoeError naming the smallest budget that works (``min_slots``
-    slots: one layer's top-k) and the options that shrink the rest."""
-    total = parse_size(memory)
-    slots = min(max(total - needs.fixed, 0) // slot_bytes, num_records)
-    if slots < min_slots:
-        need = needs.fixed + min_slots * slot_bytes
-        shown = memory.strip() if isinstance(memory, str) else format_bytes(total)
-        raise BudgetTooSmall(
-            f"a memory budget of {shown} cannot hold backbone {format_bytes(needs.backbone)} "
-            f"+ KV {format_bytes(needs.kv)} ({needs.sequences} x {needs.context} context) + "
-            f"working {format_bytes(needs.working)} + {min_slots} expert slots of "
-            f"{format_bytes(slot_bytes)}: the smallest that works is --memory "
-            f"{suggest_at_least(need)} (or shrink the KV cache: --max-context, --kv-bits)"
-        )
+    """How a budget of ``memory`` bytes divides: ``needs`` beside a ring of what remains, in
+    whole slots (smoe.util.sizes.slots_for_budget), at most every expert. Never raises: a
+    budget below ``min_slots`` slots (one layer's top-k) gives a Fit that does not fit
+    (``Fit.fits``), whose ``refusal`` names the smallest budget that works."""
+    slots = slots_for_budget(memory - needs.fixed, slot_bytes, max_slots=num_records)
     return Fit(
-        total,
+        memory,
         needs.backbone,
         needs.kv,
         needs.working,
         slot_bytes,
-        int(slots),
+        slots,
         num_records,
         needs.context,
         needs.sequences,
         needs.kv_bits,
         cache=needs.cache,
+        min_slots=min_slots,
     )

@@ -16,9 +16,8 @@ from typing import Any
 
 from smoe.errors import SmoeError
 from smoe.io.host_tier import image_layout
-from smoe.io.ring import suggest_size
 from smoe.plan.memory import available_memory
-from smoe.util.sizes import format_bytes, parse_size
+from smoe.util.sizes import as_written, format_bytes, round_size
 from smoe.vault.layout import RecordLayout
 
 DEFAULT_SHARE = 0.5  # of the host's available memory, by default
@@ -49,7 +48,7 @@ NONE = HostTierPlan(0, 0)
 def plan_host_tier(
     layout: RecordLayout,
     num_records: int,
-    host_memory: int | str | None,
+    host_memory: int | None,
     *,
     ring_kind: str,
     ring_slots: int,
@@ -59,8 +58,9 @@ def plan_host_tier(
     available: int | None = None,
 ) -> HostTierPlan:
     """The tier for a model of ``num_records`` records of ``layout`` beside a ring of
-    ``ring_slots`` (module doc). ``available``: the host's available memory (None:
-    measured now). SmoeError naming the fix for a size that cannot work."""
+    ``ring_slots`` (module doc); ``host_memory`` in bytes (None: the default). ``available``:
+    the host's available memory (None: measured now). SmoeError naming the fix for a size
+    that cannot work."""
     _, image_bytes = image_layout(layout, dtype)
     room = num_records if ring_slots < num_records else 0
     if host_memory is None:
@@ -69,7 +69,7 @@ def plan_host_tier(
         free = available_memory() if available is None else available
         images = int((free or 0) * DEFAULT_SHARE) // image_bytes
         return HostTierPlan(min(images, room), image_bytes) if images else NONE
-    asked = parse_size(host_memory)
+    asked = host_memory
     if asked == 0:
         return NONE
     if ring_kind != "staged":
@@ -82,7 +82,8 @@ def plan_host_tier(
     images = asked // image_bytes
     if images < 1:
         raise SmoeError(
-            f"--host-memory {host_memory} holds no expert of {format_bytes(image_bytes)}: "
-            f"use --host-memory {suggest_size(image_bytes)} or more, or 0 for none"
+            f"--host-memory {as_written(host_memory, str)} holds no expert of "
+            f"{format_bytes(image_bytes)}: use --host-memory {round_size(image_bytes)} or "
+            "more, or 0 for none"
         )
     return HostTierPlan(min(images, room), image_bytes) if room else NONE

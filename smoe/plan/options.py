@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from smoe.compute.draft import DRAFTERS, MAX_DRAFT_TOKENS
 from smoe.errors import SmoeError
@@ -10,10 +11,38 @@ from smoe.parallel import BACKENDS as DISTRIBUTED_BACKENDS
 from smoe.plan.budget import KV_BITS  # quantized KV cache widths offered (one list)
 from smoe.sched.hints import default_hint_depth, split_policy_name, takes_hints
 from smoe.sched.policy import POLICIES
+from smoe.util.sizes import parse_size
+
+if TYPE_CHECKING:
+    import argparse
 
 MAX_WORKERS = 256  # I/O threads: far past what any disk rewards (--workers auto picks <= 16)
 CPU_KERNELS = ("auto", "mlx")  # smoe.compute.native's, where they run; or MLX's own
 MAX_READ_PARTS = 64  # parts a record is read in at once, each a thread's read
+
+# The options `smoe generate`, `chat` and `serve` take as flags of the same name
+# (smoe.commands.engine_flags), which ``EngineOptions.from_args`` reads.
+FLAG_OPTIONS = (
+    "memory",
+    "host_memory",
+    "slots",
+    "workers",
+    "dtype",
+    "prefill_chunk",
+    "max_context",
+    "kv_bits",
+    "device",
+    "ring",
+    "policy",
+    "hint_depth",
+    "spec",
+    "lookahead",
+    "distributed",
+    "collective_timeout",
+    "draft",
+    "draft_tokens",
+    "cpu_kernels",
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +51,8 @@ class EngineOptions:
     needs no model) and against the model when the engine opens (``check``). A bad value
     raises SmoeError naming the fix, before any resource is taken."""
 
+    # memory and host_memory: sizes in bytes, or text such as "6GB" (the Python API's
+    # edge), made bytes once when made: read them as ``memory_bytes``/``host_memory_bytes``.
     memory: int | str | None = None  # the whole process's budget, e.g. "6GB": backbone + KV
     # caches + working memory + the ring, which gets what remains (smoe.plan.budget); None:
     # all experts if they fit, else what does (smoe.plan.ring: the GPU's free memory, or half the
@@ -69,7 +100,11 @@ class EngineOptions:
     host_reserve: int = 0
 
     def __post_init__(self) -> None:
-        """The checks that need no model (SmoeError naming the fix)."""
+        """The sizes made bytes, and the checks that need no model (SmoeError naming the
+        fix: a size that cannot be read among them)."""
+        for name in ("memory", "host_memory"):  # frozen: set once, here
+            value = getattr(self, name)
+            object.__setattr__(self, name, None if value is None else parse_size(value))
         if self.prefill_chunk < 1:
             raise SmoeError("prefill_chunk must be at least 1")
         if self.host_reserve < 0:
@@ -112,6 +147,25 @@ class EngineOptions:
             raise SmoeError(f"policy '{base}' takes no hints; use lru, lfu or lru-layer")
         if not hinted and self.hint_depth is not None:
             raise SmoeError(f"hint_depth needs a '+hint' policy, not '{self.policy}'")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineOptions:
+        """The options the run commands' flags give (``FLAG_OPTIONS``, parsed once by
+        argparse: sizes are bytes), with ``overrides`` (a command's own: generate's
+        ``max_batch=1``, serve's ``host_reserve``). SmoeError as for any EngineOptions."""
+        return cls(**({name: getattr(args, name) for name in FLAG_OPTIONS} | overrides))
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The whole process's budget in bytes (None: the default's)."""
+        assert not isinstance(self.memory, str)  # (made bytes by __post_init__)
+        return self.memory
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """The host tier's bytes (None: the default's; 0: none)."""
+        assert not isinstance(self.host_memory, str)  # (made bytes by __post_init__)
+        return self.host_memory
 
     def check(self, top_k: int, num_experts: int) -> None:
         """Refuse any option that cannot work with a model routing ``top_k`` of

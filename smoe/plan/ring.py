@@ -11,7 +11,8 @@ record format, the compute dtype and the memory there is. No MLX arrays are made
   they fit, else as many as do. On a discrete GPU what fits is 90% of its free memory less
   the backbone and room for the KV caches; elsewhere half the available memory beside the
   backbone (``available_memory``: cgroup limits included). A budget that cannot hold the
-  rest and one layer's top-k is refused naming the smallest that works.
+  rest and one layer's top-k makes a plan that does not fit (``RingPlan.fits``), which
+  ``plan_ring`` refuses naming the smallest that works.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from smoe.errors import SmoeError
+from smoe.errors import BudgetTooSmall, SmoeError
 from smoe.io.open import reader_host_bytes
-from smoe.io.ring import needs_conversion, slots_for_budget
+from smoe.io.ring import needs_conversion
 from smoe.io.staged import StagedRing
 from smoe.io.unified import UnifiedRing
 from smoe.plan.budget import (
@@ -34,7 +35,7 @@ from smoe.plan.budget import (
     kv_bytes,
 )
 from smoe.plan.memory import available_memory
-from smoe.util.sizes import format_bytes
+from smoe.util.sizes import format_bytes, round_size, slots_for_budget
 from smoe.vault.format import Vault
 from smoe.vault.layout import RECORD_ALIGN, RecordLayout
 
@@ -60,6 +61,17 @@ class RingPlan:
     @property
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether --memory holds it (a ring without --memory always does)."""
+        return self.fit is None or self.fit.fits
+
+    def checked(self) -> RingPlan:
+        """This plan, or BudgetTooSmall naming the smallest budget that works."""
+        if self.fit is not None and not self.fit.fits:
+            raise BudgetTooSmall(self.fit.refusal())
+        return self
 
 
 def choose_device(name: str | None) -> Any:
@@ -234,13 +246,13 @@ def gpu_room(
     return max(0, int(free * 0.9) - int(vault.manifest.backbone["bytes"]) - kv)
 
 
-def plan_ring(
+def ring_for(
     vault: Vault,
     *,
     requested: str,
     dtype: Any,
     device: Device,
-    memory: int | str | None = None,
+    memory: int | None = None,
     slots: int | None = None,
     max_batch: int = 8,
     max_context: int | None = None,
@@ -249,10 +261,11 @@ def plan_ring(
     workers: int = 4,
     host_reserve: int = 0,
 ) -> RingPlan:
-    """The ring to build (module docstring). ``memory`` is the whole process's budget
-    (smoe.plan.budget); the plan's ``fit`` says how it divides. Raises SmoeError naming
-    the fix for a budget too small for the backbone, KV, working memory and one layer's
-    top-k, a ring the GPU cannot hold, or a ring kind that cannot work."""
+    """The ring to build (module docstring), whether or not ``memory`` (the whole process's
+    budget, in bytes: smoe.plan.budget) holds it: the plan's ``fit`` says how it divides
+    and whether it fits (``plan_ring`` refuses one that does not). Raises SmoeError naming
+    the fix for a ring the GPU cannot hold, a --slots out of range, or a ring kind that
+    cannot work."""
     m = vault.manifest
     kind = ring_kind(requested, m.record, dtype, device)
     per_slot = slot_bytes(kind, m.record, dtype)
@@ -260,22 +273,10 @@ def plan_ring(
     room = gpu_room(vault, dtype, device, max_batch, max_context) if device.discrete else None
     budget: Fit | None = None
     if slots is not None:
-        if slots < top_k:
-            raise SmoeError(f"slots={slots} is below one token's top-{top_k}; use {top_k} or more")
-        if slots > m.num_records:  # a slot past the last record holds nothing, ever
-            raise SmoeError(
-                f"slots={slots} is more than the {m.num_records} experts this model has; "
-                f"use at most {m.num_records} (a ring of every expert)"
-            )
-        count = int(slots)
+        count = _asked_slots(slots, top_k, m.num_records)
     elif memory is None:
-        count = slots_for_budget(
-            _default_budget(vault, per_slot, top_k, room, dtype),
-            per_slot,
-            top_k,
-            max_slots=m.num_records,
-            reason=f"one layer's top-{top_k}",
-        )
+        default = _default_budget(vault, per_slot, top_k, room, dtype)  # >= one top-k
+        count = slots_for_budget(default, per_slot, max_slots=m.num_records)
     else:
         needs = budget_parts(
             vault,
@@ -290,26 +291,36 @@ def plan_ring(
             host_reserve=host_reserve,
         )
         budget = fit(memory, needs, slot_bytes=per_slot, min_slots=top_k, num_records=m.num_records)
+        if not budget.fits:  # refused as too small, before the GPU's room is asked
+            return RingPlan(kind, budget.slots, per_slot, budget)
         count = budget.slots
     if room is not None and count * per_slot > room:
         whole = room + (budget.fixed if budget is not None else 0)  # --memory is the whole
         raise SmoeError(
             f"a ring of {format_bytes(count * per_slot)} does not fit this GPU: "
             f"{format_bytes(room)} are free beside the backbone and the KV caches; use "
-            f"--memory {_size_at_most(whole)} or less, or --device cpu"
+            f"--memory {round_size(whole, up=False)} or less, or --device cpu"
         )
     return RingPlan(kind, count, per_slot, budget)
 
 
-def _size_at_most(nbytes: int) -> str:
-    """A round --memory value <= nbytes: 4.29 GB -> '4.2GB', 850 MB -> '850MB'."""
-    if nbytes >= 10**9:
-        return f"{nbytes // 10**8 / 10:g}GB"
-    if nbytes >= 10**6:
-        return f"{nbytes // 10**6}MB"
-    if nbytes >= 10**3:
-        return f"{nbytes // 10**3}KB"
-    return f"{nbytes}B"
+def plan_ring(vault: Vault, **sizing: Any) -> RingPlan:
+    """``ring_for`` (the same keywords), refusing a budget too small for the backbone, KV,
+    working memory and one layer's top-k: BudgetTooSmall naming the smallest that works."""
+    return ring_for(vault, **sizing).checked()
+
+
+def _asked_slots(slots: int, top_k: int, num_records: int) -> int:
+    """--slots, refused (SmoeError naming the fix) below one token's top-k or past the
+    last record."""
+    if slots < top_k:
+        raise SmoeError(f"slots={slots} is below one token's top-{top_k}; use {top_k} or more")
+    if slots > num_records:  # a slot past the last record holds nothing, ever
+        raise SmoeError(
+            f"slots={slots} is more than the {num_records} experts this model has; "
+            f"use at most {num_records} (a ring of every expert)"
+        )
+    return int(slots)
 
 
 def _default_budget(vault: Vault, per_slot: int, top_k: int, room: int | None, dtype: Any) -> int:

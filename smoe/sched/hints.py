@@ -7,7 +7,7 @@ in the policy (``HintablePolicy.on_hint``) so that eviction takes them later. On
 eviction order changes, never what is computed.
 
 One function (``runner_ups``) turns a ranking into the hint list, for the engine at route
-time and for the replay of a routing archive (``smoe.bench.policy.stream_from_archive``),
+time and for the replay of a routing archive (``smoe.bench.policy_streams.stream_from_archive``),
 so a live run and its offline replay pass the same keys in the same order. No MLX here.
 """
 

@@ -13,28 +13,30 @@ message_delta, message_stop); errors are ``{"type": "error", "error": {type, mes
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Completion, Format, Usage, sse
+from smoe.serve.context import ServeContext
 from smoe.serve.describe import show
 from smoe.serve.intake import off_loop
-from smoe.serve.tools import ToolCall
-from smoe.serve.validate import (
+from smoe.serve.spec import (
     Limits,
     Spec,
     check_stop,
     check_text,
-    engine_fields,
     required,
     validate_fields,
     wrong_type,
 )
+from smoe.serve.tools import ToolCall
+from smoe.serve.validate import engine_fields
 
-if TYPE_CHECKING:
-    from smoe.serve.app import Server
+__all__ = ["PATH_PREFIX", "AnthropicFormat", "error_json", "routes"]
+
+PATH_PREFIX = "/v1/messages"  # the paths whose errors take Anthropic's shape
 
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -186,17 +188,18 @@ FIELDS: dict[str, Spec] = {
 COUNT_FIELDS = {k: v for k, v in FIELDS.items() if k in ("model", "system", "messages", "tools")}
 
 
-def routes(server: Server) -> list[web.RouteDef]:
-    """The Messages API's routes on ``server``."""
+def routes(ctx: ServeContext) -> list[web.RouteDef]:
+    """The Messages API's routes on ``ctx``."""
+    pipeline, intake = ctx.pipeline, ctx.intake
 
     async def prompt(request: web.Request, table: dict[str, Spec]) -> tuple[Any, ...]:
-        async with server.intake.preparing(request) as body:
-            f = await off_loop(validate_fields, body, table, server.limits)
+        async with intake.preparing(request) as body:
+            f = await off_loop(validate_fields, body, table, pipeline.limits)
             messages = f["messages"]
             if f["system"]:
                 messages = [{"role": "system", "content": f["system"]}, *messages]
             tools = f["tools"] if f.get("tool_choice", {}).get("type") != "none" else []
-            ids, turn = await server.intake.template(messages, tools)
+            ids, turn = await intake.template(messages, tools)
         return f, ids, turn, tools
 
     async def messages(request: web.Request) -> web.StreamResponse:
@@ -209,7 +212,7 @@ def routes(server: Server) -> list[web.RouteDef]:
             top_k=f["top_k"],
             stream=f["stream"],
         )
-        return await server.answer(
+        return await pipeline.answer(
             request, fields, ids, AnthropicFormat, chat=True, turn=turn, tools=tools
         )
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from smoe.serve.api_error import ApiError
 from smoe.serve.describe import BadNumber, noun, show
-from smoe.serve.validate import FIELDS, expected
+from smoe.serve.spec import expected
+from smoe.serve.validate import FIELDS
 
 MAX_BODY_BYTES = 4 * 1024**2  # a 128k-token prompt, even JSON-escaped, fits
 MAX_DEPTH = 64  # a request needs 5 levels; deeper is an attack on the parser

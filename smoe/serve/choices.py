@@ -2,7 +2,7 @@
 /v1/completions (what lm-evaluation-harness sends a batch as).
 
 Each prompt's choices run together in the engine's batcher, each as a request of its own
-(``Server._generate``), so every choice is the answer its solo request would get: choice j
+(``Pipeline.generate``), so every choice is the answer its solo request would get: choice j
 of a prompt samples with ``seed + j`` (choice 0 is the request's own seed's answer; no seed:
 each draws freely), and greedy choices are all the same. With n > 1 a prompt is prefilled
 once: a prompt-only request (max_tokens 0, which also computes the prompt's numbers where
@@ -23,35 +23,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
 
+from smoe.engine.handles import SequenceHandle
 from smoe.serve.api_error import ApiError
-from smoe.serve.completion import (
-    Completion,
-    Format,
-    Usage,
-    end_stream,
-    open_stream,
-    send,
-    stream_failure,
-)
+from smoe.serve.completion import Completion, Usage, end_stream, open_stream, send, stream_failure
 from smoe.serve.intake import off_loop
-from smoe.serve.logprobs import LogprobLog, TokenText, asked
+from smoe.serve.openai_format import OpenAIFormat
+from smoe.serve.pipeline import Pipeline, Prepared, dress, on_loop
+from smoe.serve.request_options import RequestOptions
+from smoe.serve.request_scope import DROPPED, REQUEST_ID, count_generated
 from smoe.serve.stops import StopMatcher
 from smoe.serve.tools import ToolCallSplitter
-
-
-def dress(
-    out: Completion, fields: dict[str, Any], ids: list[int], echo: str | None, text: TokenText
-) -> None:
-    """Give ``out`` what the request asks beyond text: its numbers (``logprobs``) and the
-    prompt's text before the reply (``echo``: the prompt as sent, or its ids decoded)."""
-    if asked(fields, out.chat)[0] is not None:
-        out.logprobs = LogprobLog(out.chat, text)
-    out.echo, out.prompt_ids = echo, ids
 
 
 async def echo_texts(
@@ -69,42 +55,42 @@ async def echo_texts(
 
 
 async def answer(
-    server: Any,
+    pipeline: Pipeline,
     request: web.Request,
     fields: dict[str, Any],
     prompts: list[list[int]],
-    format_: type[Format],
     chat: bool,
     echoes: list[str | None] | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> web.StreamResponse:
-    """Answer ``fields["n"]`` choices for each of ``prompts`` in ``format_`` (the module
-    docstring). ApiError 400 for a prompt that is empty or too long, 429 if the queue is
-    full; a failure once streaming goes to the client as the format's error event."""
-    from smoe.serve.app import DROPPED, _generated, _request_id
-
+    """Answer ``fields["n"]`` choices for each of ``prompts`` in OpenAI's format (the
+    module docstring). ApiError 400 for a prompt that is empty or too long, 429 if the
+    queue is full, SmoeError (503) if the engine is closed; a failure once streaming goes
+    to the client as the format's error event. A client that disconnects cancels every
+    choice."""
+    engine = pipeline.engine
     n = fields["n"]
     plans = []
     for p, ids in enumerate(prompts):
         if not ids:
             where = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
             raise ApiError(400, f"Invalid '{where}': it encodes to no tokens.", param=where)
-        opts = server._options(fields, len(ids), chat)
-        plans.append((server.engine.check_prompt(ids, extra=opts.max_tokens), opts))
-    if server.engine.batcher.queued >= server.options.max_queue:
-        raise ApiError(429, "too many requests are waiting; retry later", "rate_limit_error")
-    fmts: list[Any] = []
+        opts = pipeline.settings(fields, len(ids), chat)
+        pipeline.check_open()  # (the engine checks the prompt itself as it starts)
+        plans.append((ids, opts))
+    pipeline.check_queue()
+    fmts: list[OpenAIFormat] = []
     for p, (ids, opts) in enumerate(plans):
         for j in range(n):
-            splitter = ToolCallSplitter(server.engine.tokenizer, tools) if tools else None
-            out = Completion(chat, StopMatcher(opts.stops), server.options.model_name, splitter)
+            splitter = ToolCallSplitter(engine.tokenizer, tools) if tools else None
+            out = Completion(chat, StopMatcher(opts.stops), pipeline.options.model_name, splitter)
             out.index = p * n + j
-            dress(out, fields, ids, echoes[p] if echoes else None, server.token_text)
-            fmt: Any = format_(out)
+            dress(out, fields, ids, echoes[p] if echoes else None, pipeline.token_text)
+            fmt = OpenAIFormat(out)
             if fmts:  # one answer: one id, one time
                 fmt.id, out.created = fmts[0].id, fmts[0].out.created
             fmts.append(fmt)
-    request_id = _request_id.get()
+    request_id = REQUEST_ID.get()
     response = None
     reused: list[int] = [0] * len(plans)
     try:
@@ -112,11 +98,11 @@ async def answer(
             response = await open_stream(request, request_id, fmts[0].stream_type)
         await _all(
             [
-                _prompt(server, ids, opts, fmts[p * n : (p + 1) * n], response, reused, p)
+                _prompt(pipeline, ids, opts, fmts[p * n : (p + 1) * n], response, reused, p)
                 for p, (ids, opts) in enumerate(plans)
             ]
         )
-        server.failing = None
+        pipeline.health.served()
     except ConnectionError:
         if response is None:
             raise
@@ -125,13 +111,13 @@ async def answer(
     except Exception as e:
         if response is None:
             raise
-        await stream_failure(response, fmts[0].failure(server._failure(e, request_id)))
+        await stream_failure(response, fmts[0].failure(pipeline.health.failure(e, request_id)))
         return response
     finally:
         generated = sum(f.out.completion for f in fmts)
-        _generated.get([]).append(generated)
-        server.counts.prompt_tokens += sum(len(ids) for ids, _ in plans)
-        server.counts.generated_tokens += generated
+        count_generated(generated)
+        pipeline.counts.prompt_tokens += sum(len(ids) for ids, _ in plans)
+        pipeline.counts.generated_tokens += generated
     usage = Usage(
         sum(len(ids) for ids, _ in plans), sum(f.out.completion for f in fmts), sum(reused)
     )
@@ -141,7 +127,7 @@ async def answer(
     return response
 
 
-async def _all(jobs: list[Any]) -> None:
+async def _all(jobs: list[Coroutine[Any, Any, None]]) -> None:
     """Run ``jobs`` together; the first failure cancels the rest and is raised."""
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
@@ -154,65 +140,62 @@ async def _all(jobs: list[Any]) -> None:
 
 
 async def _prompt(
-    server: Any,
+    pipeline: Pipeline,
     ids: list[int],
-    opts: Any,
-    fmts: list[Any],
+    opts: RequestOptions,
+    fmts: list[OpenAIFormat],
     response: web.StreamResponse | None,
     reused: list[int],
     p: int,
 ) -> None:
     """One prompt's choices (``fmts``); its sequence goes back to the prefix cache."""
-    held: list[Any] = [await server._take(ids)]
+    held: list[SequenceHandle | None] = [await pipeline.take(ids)]
 
-    def count(sequence: Any, run: int) -> None:  # compute thread
-        server.reused_tokens += len(ids) - 1 - run
-        server.prefilled_tokens += run
+    def count(sequence: SequenceHandle, run: int) -> None:  # event loop (on_loop)
+        pipeline.counts.prepared(len(ids), run)
 
-    def prepared(sequence: Any, run: int) -> None:  # compute thread
+    def prepared(sequence: SequenceHandle, run: int) -> None:  # event loop (on_loop)
         held[0] = sequence
         reused[p] = len(ids) - 1 - run
         count(sequence, run)
 
     try:
         if len(fmts) == 1:
-            await _choice(server, ids, opts, held[0], prepared, fmts[0], response)
+            await _choice(pipeline, ids, opts, held[0], prepared, fmts[0], response)
             return
-        handles = await _prefill_and_copy(server, ids, opts, held, prepared, fmts)
+        handles = await _prefill_and_copy(pipeline, ids, opts, held, prepared, fmts)
         params = dataclasses.replace(opts.params, prompt_logprobs=None)  # (done once)
         jobs = []
         for j, (fmt, handle) in enumerate(zip(fmts, handles, strict=True)):
             seed = params.seed + j if params.seed is not None else None
             mine = dataclasses.replace(opts, params=dataclasses.replace(params, seed=seed))
             counted = count if handle is None else _nothing  # a copy reuses the prefill
-            jobs.append(_choice(server, ids, mine, handle, counted, fmt, response))
+            jobs.append(_choice(pipeline, ids, mine, handle, counted, fmt, response))
         await _all(jobs)
     finally:
         seq = held[0]
         if seq is not None:
-            if server.store is not None:
-                server.store.keep(seq)
-            server.cache.put(seq, None)
+            pipeline.put_back(seq, None)
 
 
-def _nothing(sequence: Any, run: int) -> None:
+def _nothing(sequence: SequenceHandle, run: int) -> None:
     pass
 
 
 async def _prefill_and_copy(
-    server: Any,
+    pipeline: Pipeline,
     ids: list[int],
-    opts: Any,
-    held: list[Any],
-    prepared: Callable[[Any, int], None],
-    fmts: list[Any],
-) -> list[Any]:
+    opts: RequestOptions,
+    held: list[SequenceHandle | None],
+    prepared: Prepared,
+    fmts: list[OpenAIFormat],
+) -> list[SequenceHandle | None]:
     """Prefill ``ids`` once (a prompt-only request on ``held[0]``, which becomes the
     sequence it ran on; the prompt's numbers go to every choice that asked) and return a
     sequence per choice: that one, then copies of it (None each across ranks)."""
-    engine = server.engine
+    engine = pipeline.engine
     params = dataclasses.replace(opts.params, logprobs=None)
-    events = engine.stream(ids, params, 0, sequence=held[0], on_prepared=prepared)
+    events = engine.stream(ids, params, 0, sequence=held[0], on_prepared=on_loop(prepared))
     async with contextlib.aclosing(events):
         async for event in events:
             if event.prompt_logprobs is not None:
@@ -220,23 +203,23 @@ async def _prefill_and_copy(
                     if fmt.out.logprobs is not None:
                         fmt.out.logprobs.prompt(ids, event.prompt_logprobs)
     base = held[0]
-    if engine.leader is not None or base is None:
+    if engine.group.leading or base is None:
         return [base] + [None] * (len(fmts) - 1)
     async with engine.exclusive():
-        copies = [await engine.compute.run(engine.runner.copy, base) for _ in fmts[1:]]
+        copies = [await engine.fork(base) for _ in fmts[1:]]
     return [base, *copies]
 
 
 async def _choice(
-    server: Any,
+    pipeline: Pipeline,
     ids: list[int],
-    opts: Any,
-    handle: Any,
-    prepared: Callable[[Any, int], None],
-    fmt: Any,
+    opts: RequestOptions,
+    handle: SequenceHandle | None,
+    prepared: Prepared,
+    fmt: OpenAIFormat,
     response: web.StreamResponse | None,
 ) -> None:
     """One choice, and its last chunk where streaming."""
-    await server._generate(ids, opts, handle, prepared, fmt, response)
+    await pipeline.generate(ids, opts, handle, prepared, fmt, response)
     if response is not None:
         await send(response, fmt.ending())

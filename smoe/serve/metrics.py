@@ -5,10 +5,9 @@ exposition format (version 0.0.4), for a scraper or a dashboard. Names start wit
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from smoe.serve.app import Server
+from smoe.engine import Engine
+from smoe.serve.counters import ServerCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,11 +19,10 @@ def _metric(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float
     return "\n".join(lines)
 
 
-def render(server: Server) -> str:
-    """The exposition text of ``server`` now."""
-    now = server.engine.stats()
+def render(engine: Engine, counts: ServerCounts) -> str:
+    """The exposition text of the server now: its ``counts`` and ``engine``'s stats."""
+    now = engine.stats()
     stats, ring, queues, batch = now.scheduler, now.ring, now.queues, now.batch
-    counts = server.counts
     families = [
         _metric(
             "smoe_requests_total",
@@ -48,7 +46,7 @@ def render(server: Server) -> str:
             "smoe_prefix_reused_tokens_total",
             "counter",
             "Prompt tokens whose keys and values a cached prefix gave.",
-            [("", server.reused_tokens)],
+            [("", counts.reused_tokens)],
         ),
         _metric(
             "smoe_expert_bytes_read_total",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from aiohttp import web
@@ -21,25 +21,25 @@ from aiohttp import web
 from smoe import __version__
 from smoe.serve.api_error import ApiError
 from smoe.serve.completion import Format, Usage
+from smoe.serve.context import ServeContext
 from smoe.serve.intake import off_loop
 from smoe.serve.ollama_context import cut, fit_chat, reply_room, request_context
-from smoe.serve.tools import ToolCall
-from smoe.serve.validate import (
+from smoe.serve.spec import (
     INT64,
     JSON_INSTEAD,
     Limits,
     Spec,
     check_stop,
-    check_tools,
-    engine_fields,
-    message_role,
     required,
     validate_fields,
     wrong_type,
 )
+from smoe.serve.tools import ToolCall
+from smoe.serve.validate import check_tools, engine_fields, message_role
 
-if TYPE_CHECKING:
-    from smoe.serve.app import Server
+__all__ = ["PATH_PREFIX", "OllamaChat", "OllamaGenerate", "error_json", "routes"]
+
+PATH_PREFIX = "/api/"  # the paths whose errors take Ollama's shape
 
 
 def error_json(e: ApiError) -> dict[str, Any]:
@@ -153,62 +153,63 @@ def _engine_fields(o: dict[str, Any], stream: bool) -> dict[str, Any]:
     )
 
 
-def routes(server: Server) -> list[web.RouteDef]:
-    """Ollama's routes on ``server``."""
-    name = server.options.model_name
+def routes(ctx: ServeContext) -> list[web.RouteDef]:
+    """Ollama's routes on ``ctx``."""
+    engine, pipeline, intake = ctx.engine, ctx.pipeline, ctx.intake
+    name = ctx.options.model_name
 
     def checked(body: dict[str, Any], table: dict[str, Spec]) -> tuple[dict[str, Any], ...]:
-        f = validate_fields(body, table, server.limits)
-        o = validate_fields(f["options"], OPTIONS, server.limits, prefix="options.")
+        f = validate_fields(body, table, pipeline.limits)
+        o = validate_fields(f["options"], OPTIONS, pipeline.limits, prefix="options.")
         return f, o, _engine_fields(o, f["stream"])
 
     def within(fields: dict[str, Any], o: dict[str, Any], ids: list[int], context: int) -> None:
-        default = server.options.max_tokens
+        default = ctx.options.max_tokens
         reply_room(fields, o["num_predict"], len(ids), context, default)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        async with server.intake.preparing(request) as body:
+        async with intake.preparing(request) as body:
             f, o, fields = await off_loop(checked, body, CHAT)
-            context = request_context(o["num_ctx"], server.engine.max_context)
+            context = request_context(o["num_ctx"], engine.max_context)
             if context is None:
-                ids, turn = await server.intake.template(f["messages"], f["tools"])
+                ids, turn = await intake.template(f["messages"], f["tools"])
             else:
                 ids, turn = await fit_chat(
-                    f["messages"], lambda m: server.intake.template(m, f["tools"]), context
+                    f["messages"], lambda m: intake.template(m, f["tools"]), context
                 )
                 within(fields, o, ids, context)
-        return await server.answer(
+        return await pipeline.answer(
             request, fields, ids, OllamaChat, chat=True, turn=turn, tools=f["tools"]
         )
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        async with server.intake.preparing(request) as body:
+        async with intake.preparing(request) as body:
             f, o, fields = await off_loop(checked, body, GENERATE)
             if not f["prompt"]:  # Ollama's way to load a model: answered at once
                 return web.json_response({**_head(name), "response": "", **_done("load")})
             if f["raw"]:
-                ids = await server.intake.encode(f["prompt"])
+                ids = await intake.encode(f["prompt"])
             else:
                 system = [{"role": "system", "content": f["system"]}] if f["system"] else []
                 user = {"role": "user", "content": f["prompt"]}
-                ids, _ = await server.intake.template([*system, user], [])
-            context = request_context(o["num_ctx"], server.engine.max_context)
+                ids, _ = await intake.template([*system, user], [])
+            context = request_context(o["num_ctx"], engine.max_context)
             if context is not None:
                 ids = cut(ids, context)
                 within(fields, o, ids, context)
-        return await server.answer(request, fields, ids, OllamaGenerate, chat=False)
+        return await pipeline.answer(request, fields, ids, OllamaGenerate, chat=False)
 
     async def tags(request: web.Request) -> web.Response:
-        model = await anyio.to_thread.run_sync(_model, server)  # stats the vault's files
+        model = await anyio.to_thread.run_sync(_model, ctx)  # stats the vault's files
         return web.json_response({"models": [{"name": name, **model}]})
 
     async def show_model(request: web.Request) -> web.Response:
-        await server.read_body(request)  # checked; the server has one model
-        tok = server.engine.tokenizer
+        await intake.read_object(request)  # checked; the server has one model
+        tok = engine.tokenizer
         template = getattr(tok, "chat_template", None) if tok is not None else None
         tools = tok is not None and bool(getattr(tok, "has_tool_calling", False))
-        family = server.engine.vault.manifest.shape.model_type
-        model = await anyio.to_thread.run_sync(_model, server)
+        family = engine.vault.manifest.shape.model_type
+        model = await anyio.to_thread.run_sync(_model, ctx)
         return web.json_response(
             {
                 "modelfile": "",
@@ -217,7 +218,7 @@ def routes(server: Server) -> list[web.RouteDef]:
                 "details": model["details"],
                 "model_info": {
                     "general.architecture": family,
-                    "general.context_length": server.engine.max_context,
+                    "general.context_length": engine.max_context,
                 },
                 "capabilities": ["completion", *(["tools"] if tools else [])],
                 "modified_at": model["modified_at"],
@@ -230,10 +231,9 @@ def routes(server: Server) -> list[web.RouteDef]:
     async def running(request: web.Request) -> web.Response:
         """Ollama's /api/ps: the model in memory (one, loaded for good), and its memory:
         the backbone and the ring (a GPU's, as VRAM, where the ring is device memory)."""
-        model = await anyio.to_thread.run_sync(_model, server)
-        engine = server.engine
+        model = await anyio.to_thread.run_sync(_model, ctx)
         fit = engine.fit
-        size = fit.total if fit is not None else engine.ring.nbytes
+        size = fit.total if fit is not None else engine.stats().ring.nbytes
         return web.json_response(
             {
                 "models": [
@@ -261,14 +261,15 @@ def routes(server: Server) -> list[web.RouteDef]:
     ]
 
 
-def _model(server: Server) -> dict[str, Any]:
-    """/api/tags's entry for the vault: its files' size and the manifest's time."""
-    vault = server.engine.vault
+def _model(ctx: ServeContext) -> dict[str, Any]:
+    """/api/tags's entry for the vault: its files' size and the manifest's time (worker
+    thread: it stats the files)."""
+    vault = ctx.engine.vault
     files = [p for p in vault.path.iterdir() if p.is_file()]
     newest = max((p.stat().st_mtime for p in files), default=0.0)
     family = vault.manifest.shape.model_type
     return {
-        "model": server.options.model_name,
+        "model": ctx.options.model_name,
         "modified_at": datetime.fromtimestamp(newest, UTC).isoformat().replace("+00:00", "Z"),
         "size": sum(p.stat().st_size for p in files),
         "details": {

@@ -1,147 +1,79 @@
-"""OpenAI's dialect of `smoe serve`: /v1/chat/completions and /v1/completions answers.
+"""OpenAI's API in `smoe serve`: POST /v1/chat/completions and /v1/completions, GET
+/v1/models; and OpenAI's error shape, which every path no other API claims answers in.
 
-The body (``chat.completion`` / ``text_completion``), the streamed chunks (server-sent
-events ending with ``data: [DONE]``), tool calls as ``tool_calls`` (``finish_reason``
-"tool_calls"), and errors as ``{"error": {message, type, param, code}}``
-(``ApiError.to_json``). The request side is smoe/serve/validate.py's ``FIELDS``. A
-choice's ``logprobs`` are smoe/serve/logprobs.py's; answers of several choices (``n``, a
-list of prompts) are put together by smoe/serve/choices.py from one format per choice.
+The request side is smoe/serve/validate.py's ``FIELDS``; the answers are
+smoe/serve/openai_format.py's (one choice), or smoe/serve/choices.py's (``n`` > 1, a list
+of prompts). Errors are ``{"error": {message, type, param, code}}`` (``ApiError.to_json``).
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from smoe.serve.api_error import ApiError
-from smoe.serve.completion import Completion, Format, Usage, sse
-from smoe.serve.tools import ToolCall
+from aiohttp import web
 
-DONE = b"data: [DONE]\n\n"
+from smoe.serve import choices
+from smoe.serve.api_error import ApiError
+from smoe.serve.context import ServeContext
+from smoe.serve.intake import off_loop
+from smoe.serve.openai_format import OpenAIFormat
+from smoe.serve.stats import model_created
+from smoe.serve.validate import validate_request
+
+__all__ = ["PATH_PREFIX", "error_json", "routes"]
+
+# Every path: OpenAI's error shape is the server's own (the longest prefix wins)
+PATH_PREFIX = "/"
 
 
 def error_json(e: ApiError) -> dict[str, Any]:
     return e.to_json()
 
 
-class OpenAIFormat(Format):
-    """One OpenAI answer: its id, object kind and creation time, and its chunks."""
+def routes(ctx: ServeContext) -> list[web.RouteDef]:
+    """OpenAI's routes on ``ctx``."""
+    pipeline, intake = ctx.pipeline, ctx.intake
 
-    def __init__(self, out: Completion) -> None:
-        super().__init__(out)
-        self.id = ("chatcmpl-" if out.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.kind = "chat.completion" if out.chat else "text_completion"
-        self.sent_calls = 0  # a streamed call's index
-        self.sent_role = False  # OpenAI's first chunk of a chat stream names the role
+    async def chat(request: web.Request) -> web.StreamResponse:
+        async with intake.preparing(request) as body:
+            fields = await off_loop(validate_request, body, "chat", pipeline.limits)
+            tools = fields["tools"] if fields["tool_choice"] != "none" else []
+            ids, turn = await intake.template(fields["messages"], tools)
+        if fields["n"] > 1:  # several choices (smoe/serve/choices.py)
+            return await choices.answer(pipeline, request, fields, [ids], True, tools=tools)
+        return await pipeline.answer(
+            request, fields, ids, OpenAIFormat, chat=True, turn=turn, tools=tools
+        )
 
-    @property
-    def finish(self) -> str:
-        return "tool_calls" if self.out.calls and self.out.finish == "stop" else self.out.finish
+    async def completions(request: web.Request) -> web.StreamResponse:
+        async with intake.preparing(request) as body:
+            fields = await off_loop(validate_request, body, "completions", pipeline.limits)
+            prompts = fields["prompt"]  # one or more (smoe/serve/choices.py)
+            ids = [await intake.encode(p) if isinstance(p, str) else p for p in prompts]
+            echoes = await choices.echo_texts(ctx.engine.tokenizer, fields, prompts)
+        if len(ids) > 1 or fields["n"] > 1:
+            return await choices.answer(pipeline, request, fields, ids, False, echoes)
+        return await pipeline.answer(
+            request, fields, ids[0], OpenAIFormat, chat=False, echo=echoes[0]
+        )
 
-    def body(self, usage: Usage) -> dict[str, Any]:
-        return self.envelope([self.choice()], usage.openai())
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": ctx.options.model_name,
+                        "object": "model",
+                        "created": model_created(ctx.engine.vault),
+                        "owned_by": "smoe",
+                    }
+                ],
+            }
+        )
 
-    def choice(self) -> dict[str, Any]:
-        """The non-streaming answer's choice (``choices[i]``)."""
-        out = self.out
-        numbers = out.logprobs.all() if out.logprobs is not None else None
-        choice: dict[str, Any] = {
-            "index": out.index,
-            "finish_reason": self.finish,
-            "logprobs": numbers,
-        }
-        if out.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": out.reply}
-            if out.calls:
-                message["content"] = out.reply or None
-                message["tool_calls"] = [_call(c) for c in out.calls]
-            choice["message"] = message
-        else:
-            choice["text"] = out.reply
-        return choice
-
-    def envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming answer around ``choices``."""
-        return {
-            "id": self.id,
-            "object": self.kind,
-            "created": self.out.created,
-            "model": self.out.model,
-            "choices": choices,
-            "usage": usage,
-        }
-
-    def chunk(
-        self,
-        text: str,
-        finish: str | None,
-        usage: dict[str, Any] | None = None,
-        calls: list[ToolCall] | None = None,
-    ) -> dict[str, Any]:
-        """One chunk of the streamed answer: ``text`` (or ``calls``) added, ``finish``
-        (the last chunk's reason, else None) and ``usage`` (the last chunk's); the numbers
-        of the tokens since the last chunk where the request asked for them."""
-        out = self.out
-        if out.chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            if not self.sent_role:
-                delta = {"role": "assistant", **delta}
-                self.sent_role = True
-            if calls:
-                delta["tool_calls"] = [
-                    {"index": self.sent_calls + i, **_call(c)} for i, c in enumerate(calls)
-                ]
-                self.sent_calls += len(calls)
-            choice: dict[str, Any] = {"index": out.index, "delta": delta, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": out.index, "text": text, "finish_reason": finish}
-            obj = self.kind
-        if out.logprobs is not None:
-            choice["logprobs"] = out.logprobs.take()
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": out.created,
-            "model": out.model,
-            "choices": [choice],
-        }
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
-
-    def text(self, piece: str) -> list[bytes]:
-        return [sse(self.chunk(piece, None))]
-
-    def calls(self, calls: list[ToolCall]) -> list[bytes]:
-        return [sse(self.chunk("", None, calls=calls))]
-
-    def closing(self, usage: Usage) -> list[bytes]:
-        return [sse(self.chunk("", self.finish, usage.openai())), DONE]
-
-    def ending(self) -> list[bytes]:
-        """One choice's last chunk among several (its finish; no usage, no [DONE])."""
-        return [sse(self.chunk("", self.finish))]
-
-    def usage_chunk(self, usage: dict[str, Any]) -> list[bytes]:
-        """The last chunk of an answer of several choices: the usage, then [DONE]."""
-        chunk = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.out.chat else self.kind,
-            "created": self.out.created,
-            "model": self.out.model,
-            "choices": [],
-            "usage": usage,
-        }
-        return [sse(chunk), DONE]
-
-    def failure(self, error: ApiError) -> list[bytes]:
-        return [sse(error_json(error)), DONE]
-
-
-def _call(call: ToolCall) -> dict[str, Any]:
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments_json},
-    }
+    return [
+        web.get("/v1/models", models),
+        web.post("/v1/chat/completions", chat),
+        web.post("/v1/completions", completions),
+    ]

@@ -15,7 +15,7 @@ from smoe.engine.conversation import follow_up_prompt
 from smoe.engine.handles import SequenceHandle
 from smoe.util.tokens import common_prefix
 
-__all__ = ["Cached", "ChatReply", "PrefixCache", "reply_ids"]
+__all__ = ["Cached", "ChatReply", "PrefixCache", "kept_reply", "reply_ids"]
 
 
 @dataclass
@@ -151,6 +151,38 @@ def reply_ids(tok: Any, ids: list[int], text: str, cut: bool) -> int | None:
         else:
             lo = mid + 1
     return lo if decode(lo) == text else None
+
+
+def kept_reply(
+    tok: Any,
+    messages: list[dict[str, str]],
+    ids: list[int],
+    seq: SequenceHandle,
+    generated: list[int],
+    text: str,
+    ended: bool,
+    cut: bool,
+) -> ChatReply | None:
+    """What the prefix cache keeps of a chat request's reply (``PrefixCache.follow_up``
+    continues from it), or None where the ``text`` the client was given is not exactly
+    the text of ids in the stream: then a follow-up templates the messages whole.
+    ``messages``: the request's; ``ids``: its prompt; ``seq``: the sequence it ran on;
+    ``generated``: the ids shown; ``ended``: the model's end-of-turn id follows them;
+    ``cut``: a stop string ended the text (the ids past it are not the reply)."""
+    eos = set(getattr(tok, "eos_token_ids", None) or [])
+    if any(t in eos for t in generated):  # ignore_eos: an end of turn inside the reply
+        return None
+    n = reply_ids(tok, generated, text, cut)
+    if n is None:
+        return None
+    ended = ended and not cut
+    start, end = len(ids), len(ids) + n + ended
+    tokens = seq.tokens  # a cancelled request's last step may still append: read once
+    if len(tokens) < end or tokens[:start] != ids or tokens[start : start + n] != generated[:n]:
+        return None
+    if ended and tokens[end - 1] not in eos:
+        return None
+    return ChatReply(messages, text, end)
 
 
 def reply_prompt(

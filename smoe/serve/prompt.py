@@ -76,7 +76,7 @@ class Intake:
         try:
             # After the body (its memory is bounded; a stalled one must not hold a queue
             # place), before any work on it.
-            if self.engine.batcher.queued + self.in_preparation >= self.max_queue:
+            if self.engine.queued + self.in_preparation >= self.max_queue:
                 raise ApiError(
                     429, "too many requests are waiting; retry later", "rate_limit_error"
                 )
@@ -93,6 +93,13 @@ class Intake:
                 self.in_preparation -= 1
         finally:
             body.release()
+
+    async def read_object(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object, checked as ``preparing`` checks it, for a request
+        that is not templated (its memory is given back at once). ApiError as
+        ``preparing``; cancellation passes through."""
+        async with self.preparing(request) as body:
+            return body
 
     async def template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], param: str = "tools"

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from smoe.serve.app import Server
+from smoe.serve.pipeline import Pipeline
 
 
-async def server_stats(server: Server) -> dict[str, Any]:
-    """What /v1/smoe/stats answers (docs/serve.md lists the fields)."""
-    now = server.engine.stats()
+async def server_stats(pipeline: Pipeline) -> dict[str, Any]:
+    """What /v1/smoe/stats answers (docs/serve.md lists the fields): ``pipeline``'s
+    engine, counts and prefix cache now. Raises what ``Engine.group.rank_stats`` raises across
+    ranks (a rank gone)."""
+    engine, counts, cache, store = pipeline.engine, pipeline.counts, pipeline.cache, pipeline.store
+    now = engine.stats()
     # Across ranks: every rank's I/O, gathered at the next iteration (docs/distributed.md).
-    ranks = await server.engine.rank_stats() if server.engine.ranks is not None else None
+    ranks = await engine.group.rank_stats() if engine.group.distributed else None
     return {
         **({"ranks": ranks} if ranks is not None else {}),
         # hits: the scheduler's and the resident tables' (a whole model in the ring asks
@@ -25,20 +27,20 @@ async def server_stats(server: Server) -> dict[str, Any]:
         "ring": {"slots": now.ring.slots, "filled": now.ring.filled},
         "queues": now.queues.__dict__.copy(),
         "batch": now.batch.__dict__.copy(),
-        "prefix_reused_tokens": server.reused_tokens,
-        "prefilled_tokens": server.prefilled_tokens,
+        "prefix_reused_tokens": counts.reused_tokens,
+        "prefilled_tokens": counts.prefilled_tokens,
         # exactness claims hold for a dtype: say which, and why (docs/api.md)
         "compute_dtype": now.compute_dtype_note,
         "arithmetic": now.arithmetic,  # whose kernels (smoe.compute.native)
         "prefix_cache": {
-            "sequences": len(server.cache.entries),
-            "bytes": server.cache.nbytes(),
-            "max_bytes": server.cache.max_bytes,
-            "replies": sum(e.reply is not None for e in server.cache.entries),
-            "reply_follow_ups": server.reply_follow_ups,
+            "sequences": len(cache.entries),
+            "bytes": cache.nbytes(),
+            "max_bytes": cache.max_bytes,
+            "replies": sum(e.reply is not None for e in cache.entries),
+            "reply_follow_ups": counts.reply_follow_ups,
         },
         # on disk (--prefix-cache-dir), null without one
-        "prefix_store": server.store.stats() if server.store is not None else None,
+        "prefix_store": store.stats() if store is not None else None,
     }
 
 

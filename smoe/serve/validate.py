@@ -1,8 +1,9 @@
-"""Request validation for `smoe serve`: every field checked the way OpenAI checks it.
+"""OpenAI's request fields in `smoe serve`: every field checked the way OpenAI checks it.
 
 One table, ``FIELDS``, says each field's JSON type, range and what this server supports;
 both endpoints validate through ``validate_request``, after smoe/serve/body.py has checked
-and parsed the body itself.
+and parsed the body itself. The table's machinery (``Spec``, ``validate_fields``) is
+smoe/serve/spec.py's, which the other APIs' tables use too.
 
 Every problem raises ``ApiError``: a 4xx in OpenAI's error shape whose one-line message
 names the field, what is allowed and what was sent, e.g.
@@ -13,83 +14,29 @@ Fields not in the table are ignored, as by vLLM (OpenAI itself refuses them).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from smoe.sampling import MAX_TOP_LOGPROBS
 from smoe.serve.api_error import ApiError
-from smoe.serve.describe import NOUNS, is_int, json_type, noun, show
+from smoe.serve.describe import is_int, json_type, show
 from smoe.serve.logprobs import MAX_CHOICES, check_logit_bias, check_together
+from smoe.serve.spec import (
+    INT64,
+    JSON_INSTEAD,
+    Limits,
+    Spec,
+    check_stop,
+    required,
+    text_parts,
+    validate_fields,
+    wrong_type,
+)
 
 MAX_MESSAGES = 2048
-MAX_STOP_CHARS = 1000  # each stop string; the matcher's work per token grows with it
-INT64 = (-(2**63), 2**63 - 1)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What depends on the model: the vocabulary and the most tokens a reply may have."""
-
-    vocab: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One request field. ``kinds``: the JSON types allowed (null always means "not
-    sent"); ``lo``/``hi``: the range of a number (``lo_open``: lo itself excluded;
-    ``hi`` "max_tokens" means the model's limit); ``supported``: the values this server
-    implements, ``unsupported`` saying why others are refused; ``check``: more checks,
-    returning the value to use; ``only``: the endpoint ("chat", "completions") or both."""
-
-    kinds: tuple[str, ...]
-    default: Any = None
-    lo: float | None = None
-    hi: float | str | None = None
-    lo_open: bool = False
-    supported: Callable[[Any], bool] | None = None
-    unsupported: str = ""
-    check: Callable[[str, Any, Limits], Any] | None = None
-    required: bool = False
-    only: str | None = None
 
 
 def _off(value: Any) -> bool:
     return not value
-
-
-# What to do instead of JSON mode, which would need constrained decoding (docs/serve.md)
-JSON_INSTEAD = (
-    "give a tool whose parameters are the JSON schema (its call's arguments come back as "
-    "a JSON object), or ask for the JSON in the prompt"
-)
-
-
-def check_stop(name: str, value: Any, limits: Limits, most: int = 16) -> list[str]:
-    """Stop strings: one string or an array of up to ``most``, each 1 to 1000 characters."""
-    stops = [value] if isinstance(value, str) else value
-    if len(stops) > most:
-        raise ApiError(
-            400,
-            f"Invalid '{name}': expected a string or an array of up to {most} strings, "
-            f"but got {len(stops)} strings instead.",
-            param=name,
-            code="array_above_max_length",
-        )
-    for i, stop in enumerate(stops):
-        where = name if isinstance(value, str) else f"{name}[{i}]"
-        if not isinstance(stop, str):
-            raise _wrong_type(where, ("string",), stop)
-        if not 1 <= len(stop) <= MAX_STOP_CHARS:
-            raise ApiError(
-                400,
-                f"Invalid '{where}': expected a string of 1 to {MAX_STOP_CHARS} characters, "
-                f"but got {len(stop)} characters instead.",
-                param=where,
-                code="invalid_value",
-            )
-    return list(stops)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -122,18 +69,18 @@ def _check_messages(name: str, value: Any, limits: Limits) -> list[dict[str, Any
         if calls is not None and message.get("content") is None:
             content = ""  # a turn of tool calls only
         else:
-            content = _required(message, where, "content", ("string", "array"))
+            content = required(message, where, "content", ("string", "array"))
         if isinstance(content, list):
-            content = _text_parts(f"{where}.content", content)
+            content = text_parts(f"{where}.content", content)
         if message.get("name") is not None and not isinstance(message["name"], str):
-            raise _wrong_type(f"{where}.name", ("string",), message["name"])
+            raise wrong_type(f"{where}.name", ("string",), message["name"])
         turn: dict[str, Any] = {"role": "system" if role == "developer" else role}
         turn["content"] = content
         if calls is not None:
             turn["tool_calls"] = _check_calls(f"{where}.tool_calls", calls)
         if role == "tool" and message.get("tool_call_id") is not None:
             if not isinstance(message["tool_call_id"], str):
-                raise _wrong_type(f"{where}.tool_call_id", ("string",), message["tool_call_id"])
+                raise wrong_type(f"{where}.tool_call_id", ("string",), message["tool_call_id"])
             turn["tool_call_id"] = message["tool_call_id"]
         turns.append(turn)
     return turns
@@ -143,21 +90,21 @@ def _check_calls(where: str, calls: Any) -> list[dict[str, Any]]:
     """An assistant's OpenAI ``tool_calls``, their arguments (JSON text) parsed into the
     object chat templates render (as mlx-lm's server does)."""
     if not isinstance(calls, list):
-        raise _wrong_type(where, ("array",), calls)
+        raise wrong_type(where, ("array",), calls)
     out = []
     for i, call in enumerate(calls):
         at = f"{where}[{i}]"
         if not isinstance(call, dict):
-            raise _wrong_type(at, ("object",), call)
-        function = _required(call, at, "function", ("object",))
-        name = _required(function, f"{at}.function", "name", ("string",))
+            raise wrong_type(at, ("object",), call)
+        function = required(call, at, "function", ("object",))
+        name = required(function, f"{at}.function", "name", ("string",))
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             arguments = _json_object(f"{at}.function.arguments", arguments)
         elif arguments is None:
             arguments = {}
         elif not isinstance(arguments, dict):
-            raise _wrong_type(f"{at}.function.arguments", ("string", "object"), arguments)
+            raise wrong_type(f"{at}.function.arguments", ("string", "object"), arguments)
         entry: dict[str, Any] = {
             "type": "function",
             "function": {"name": name, "arguments": arguments},
@@ -190,7 +137,7 @@ def check_tools(name: str, value: Any, limits: Limits) -> list[dict[str, Any]]:
     for i, tool in enumerate(value):
         at = f"{name}[{i}]"
         if not isinstance(tool, dict):
-            raise _wrong_type(at, ("object",), tool)
+            raise wrong_type(at, ("object",), tool)
         if tool.get("type", "function") != "function":
             raise ApiError(
                 400,
@@ -198,46 +145,13 @@ def check_tools(name: str, value: Any, limits: Limits) -> list[dict[str, Any]]:
                 param=f"{at}.type",
                 code="unsupported_value",
             )
-        function = _required(tool, at, "function", ("object",))
-        _required(function, f"{at}.function", "name", ("string",))
+        function = required(tool, at, "function", ("object",))
+        required(function, f"{at}.function", "name", ("string",))
         for key, kind in (("description", "string"), ("parameters", "object")):
             if function.get(key) is not None and json_type(function[key]) != kind:
-                raise _wrong_type(f"{at}.function.{key}", (kind,), function[key])
+                raise wrong_type(f"{at}.function.{key}", (kind,), function[key])
         out.append({"type": "function", "function": function})
     return out
-
-
-def _required(obj: dict[str, Any], where: str, key: str, kinds: tuple[str, ...]) -> Any:
-    value = obj.get(key)
-    if value is None:
-        raise ApiError(
-            400,
-            f"Missing required parameter: '{where}.{key}'.",
-            param=f"{where}.{key}",
-            code="missing_required_parameter",
-        )
-    if json_type(value) not in kinds and not ("number" in kinds and _is_number(value)):
-        raise _wrong_type(f"{where}.{key}", kinds, value)
-    return value
-
-
-def _text_parts(where: str, parts: list[Any]) -> str:
-    texts = []
-    for j, part in enumerate(parts):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise _wrong_type(at, ("object",), part)
-        kind = part.get("type")
-        if kind != "text":
-            raise ApiError(
-                400,
-                f"Invalid '{at}.type': this server takes text parts only, "
-                f"but got {show(kind)} instead.",
-                param=f"{at}.type",
-                code="invalid_value",
-            )
-        texts.append(_required(part, at, "text", ("string",)))
-    return "\n".join(texts)
 
 
 def _check_prompts(name: str, value: Any, limits: Limits) -> list[str | list[int]]:
@@ -343,106 +257,8 @@ def validate_request(body: dict[str, Any], endpoint: str, limits: Limits) -> dic
     return fields
 
 
-def validate_fields(
-    body: dict[str, Any], table: dict[str, Spec], limits: Limits, prefix: str = ""
-) -> dict[str, Any]:
-    """Every field of ``table`` in ``body`` checked and converted, or its default; the
-    other APIs' tables (smoe/serve/anthropic_api.py, ollama_api.py) use it too. Errors
-    name the field as ``prefix + name``."""
-    return {
-        name: _validate(prefix + name, body.get(name), spec, limits) for name, spec in table.items()
-    }
-
-
-def _validate(name: str, value: Any, spec: Spec, limits: Limits) -> Any:
-    if value is None:
-        if spec.required:
-            raise ApiError(
-                400,
-                f"Missing required parameter: '{name}'.",
-                param=name,
-                code="missing_required_parameter",
-            )
-        return spec.default
-    kind = json_type(value)
-    if kind not in spec.kinds and not ("number" in spec.kinds and kind == "integer"):
-        raise _wrong_type(name, spec.kinds, value)
-    if spec.lo is not None or spec.hi is not None:
-        _check_range(name, value, spec, limits)
-    if spec.supported is not None and not spec.supported(value):
-        raise ApiError(
-            400,
-            f"Unsupported value: '{name}' {spec.unsupported}; got {show(value)}.",
-            param=name,
-            code="unsupported_value",
-        )
-    if spec.check is not None:
-        return spec.check(name, value, limits)
-    if spec.kinds != ("number",):
-        return value
-    try:
-        return float(value)
-    except OverflowError:  # an integer beyond float64, in a field with no upper bound
-        raise ApiError(
-            400,
-            f"Invalid '{name}': expected {expected(spec)} that fits a 64-bit float, "
-            f"but got {show(value)} instead.",
-            param=name,
-            code="decimal_above_max_value",
-        ) from None
-
-
-def _check_range(name: str, value: float, spec: Spec, limits: Limits) -> None:
-    lo, hi = spec.lo, limits.max_tokens if spec.hi == "max_tokens" else spec.hi
-    assert not isinstance(hi, str)
-    below = lo is not None and (value <= lo if spec.lo_open else value < lo)
-    above = hi is not None and value > hi
-    if below or above:
-        number = "integer" if spec.kinds == ("integer",) else "decimal"
-        raise ApiError(
-            400,
-            f"Invalid '{name}': expected {expected(spec, hi)}, but got {show(value)} instead.",
-            param=name,
-            code=f"{number}_{'below_min' if below else 'above_max'}_value",
-        )
-
-
-def expected(spec: Spec | None, hi: float | str | None = None) -> str:
-    """``spec``'s values in words: "a number between 0 and 2" ("a value" for no spec)."""
-    if spec is None:
-        return "a value"
-    hi = spec.hi if hi is None else hi
-    kinds = " or ".join(NOUNS[k] for k in spec.kinds)
-    lo, hi = spec.lo, None if isinstance(hi, str) else hi
-    if lo is None:
-        return kinds if hi is None else f"{kinds} of at most {_num(hi)}"
-    if hi is None:
-        return f"{kinds} {'above' if spec.lo_open else 'of at least'} {_num(lo)}"
-    if spec.lo_open:
-        return f"{kinds} above {_num(lo)} and at most {_num(hi)}"
-    return f"{kinds} between {_num(lo)} and {_num(hi)}"
-
-
-def _wrong_type(where: str, kinds: tuple[str, ...], value: Any) -> ApiError:
-    return ApiError(
-        400,
-        f"Invalid type for '{where}': expected {' or '.join(NOUNS[k] for k in kinds)}, "
-        f"but got {noun(value)} instead.",
-        param=where,
-        code="invalid_type",
-    )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(x)
-
-
 def engine_fields(**given: Any) -> dict[str, Any]:
-    """The fields the pipeline reads (``Server.answer``), as an OpenAI request with only
+    """The fields the pipeline reads (``Pipeline.answer``), as an OpenAI request with only
     ``given`` sent would have them: how the other APIs hand over their requests."""
     keys = (
         "max_tokens",
@@ -467,20 +283,12 @@ def engine_fields(**given: Any) -> dict[str, Any]:
     return fields
 
 
-def check_text(name: str, value: Any, limits: Limits) -> str:
-    """A string, or an array of ``{"type": "text", "text"}`` blocks joined by newlines
-    (Anthropic's system prompt and tool results, OpenAI's content parts)."""
-    if isinstance(value, str):
-        return value
-    return _text_parts(name, value)
-
-
 def message_role(where: str, message: Any) -> str:
     """The role of the chat message at ``where``: an object whose ``role`` is one of
     ROLES; ApiError 400 if not (OpenAI's and Ollama's messages alike)."""
     if not isinstance(message, dict):
-        raise _wrong_type(where, ("object",), message)
-    role: str = _required(message, where, "role", ("string",))
+        raise wrong_type(where, ("object",), message)
+    role: str = required(message, where, "role", ("string",))
     if role not in ROLES:
         raise ApiError(
             400,
@@ -490,13 +298,3 @@ def message_role(where: str, message: Any) -> str:
             code="invalid_value",
         )
     return role
-
-
-def wrong_type(where: str, kinds: tuple[str, ...], value: Any) -> ApiError:
-    """The 400 for a value of the wrong JSON type at ``where``."""
-    return _wrong_type(where, kinds, value)
-
-
-def required(obj: dict[str, Any], where: str, key: str, kinds: tuple[str, ...]) -> Any:
-    """``obj[key]``, which must be there and of one of ``kinds``; ApiError 400 if not."""
-    return _required(obj, where, key, kinds)

@@ -9,15 +9,13 @@ and says what the vault's config.json and manifest record about the encoding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from smoe.errors import SmoeError
 from smoe.models.checkpoint import SourceCheckpoint
-
-if TYPE_CHECKING:  # for the annotation only: convert.py builds plans
-    from smoe.vault.convert import ConvertOptions
+from smoe.vault.convert_options import ConvertOptions
 
 
 def _float_dtype(name: str | None) -> mx.Dtype | None:

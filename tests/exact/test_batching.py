@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from smoe.bench.resident import fill_ring
-from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
 from smoe.errors import ExpertReadError
+from smoe.sampling import SamplingParams
 from smoe.synth import synthesize
 from smoe.vault.convert import ConvertOptions, convert
 from tests.exact.test_engine_exact import ARCHS, reference_decode, reference_model

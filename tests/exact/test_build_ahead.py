@@ -12,7 +12,8 @@ import pytest
 from mlx_lm.models import qwen3_moe
 
 from smoe.compute.rowwise import install_rowwise_attention
-from smoe.compute.runner import Runner, SamplingParams
+from smoe.compute.runner import Runner
+from smoe.sampling import SamplingParams
 
 PROMPT = [5, 9, 31, 7, 64, 2, 17, 88, 40, 3]
 

@@ -20,10 +20,11 @@ from smoe.compute.draft import (
     accept_sampled,
     target_probs,
 )
-from smoe.compute.runner import Runner, SamplingParams
+from smoe.compute.runner import Runner
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.plan.options import EngineOptions
+from smoe.sampling import SamplingParams
 from tests.conftest import tiny_vault
 from tests.exact.test_build_ahead import model  # noqa: F401  (the module's in-memory model)
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import export_mlx
 from smoe.vault.format import Vault
@@ -610,7 +610,7 @@ async def test_a_ring_holding_the_whole_model_serves_it_from_device_tables(quant
                 await engine.debug.scheduler.acquire(spec.layer, range(8))
             )
         assert await engine.logits(prompt[:3]) is not None  # the next reservation pins all
-        assert all(engine.slots.resident_table(s.layer) is not None for s in m.layers)
+        assert all(engine.debug.slots.resident_table(s.layer) is not None for s in m.layers)
         assert engine.debug.scheduler.holders() == {RESIDENT: m.num_records}
         assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
         step_logits, _ = await engine_decode(engine, prompt, ref_tokens)
@@ -651,7 +651,7 @@ async def test_a_whole_model_ring_in_banks_keeps_each_layer_in_one_bank(quantize
                     spec.layer, e
                 )
         assert await engine.logits(prompt[:3]) is not None
-        tables = {s.layer: engine.slots.resident_table(s.layer) for s in m.layers}
+        tables = {s.layer: engine.debug.slots.resident_table(s.layer) for s in m.layers}
         assert sorted(bank for bank, _ in tables.values()) == [0, 1]
         assert np.array_equal(await engine.logits(prompt), reference_logits(ref, prompt))
 

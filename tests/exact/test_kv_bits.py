@@ -90,7 +90,8 @@ def test_the_reference_sees_the_rounding(mlx_lm_tokens):
 def test_runner_logprobs_equal_generate_step_bit_for_bit(model, bits):
     """The runner's quantization points are mlx-lm's: every step's log-probabilities on
     the in-memory model are generate_step's, bit for bit (and 8 bits differ from none)."""
-    from smoe.compute.runner import Runner, SamplingParams
+    from smoe.compute.runner import Runner
+    from smoe.sampling import SamplingParams
 
     runner = Runner(model, kv_bits=bits)
     seq = runner.start(PROMPT, SamplingParams())
@@ -136,7 +137,8 @@ def test_batched_decode_is_each_request_alone(vault, mlx_lm_tokens):
 def test_quantized_cache_is_smaller(model):
     """What the option is for, measured on the runner's own caches after a 150-token
     prompt: float32 keys and values -> 8 or 4 bits plus a float32 scale and bias per 64."""
-    from smoe.compute.runner import Runner, SamplingParams
+    from smoe.compute.runner import Runner
+    from smoe.sampling import SamplingParams
 
     def nbytes(bits):
         seq = Runner(model, kv_bits=bits).start(PROMPT, SamplingParams())
@@ -211,7 +213,8 @@ def test_greedy_drafts_over_a_quantized_cache_are_plain_greedy_tokens(model, bit
     """--kv-bits with --draft: a verify pass writes k+1 quantized positions and trims the
     rejected ones; its tokens are plain decoding's over the same quantized cache."""
     from smoe.compute.draft import DraftGovernor, Drafting
-    from smoe.compute.runner import Runner, SamplingParams
+    from smoe.compute.runner import Runner
+    from smoe.sampling import SamplingParams
 
     loop = [5, 9, 31, 7, 64, 2, 17, 88, 40, 3] * 3  # a prompt to look drafts up in
     plain = Runner(model, kv_bits=bits, kv_group_size=64)

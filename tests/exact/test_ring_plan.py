@@ -104,10 +104,10 @@ def test_impossible_gpu_budgets_name_the_fix(vaults):
 
 
 def test_suggested_sizes_never_exceed_the_room():
-    from smoe.util.sizes import parse_size
+    from smoe.util.sizes import parse_size, round_size
 
     for n in (999, 1000, 12_345_678, 4_290_000_000, 10**12 + 7):
-        assert 0 < parse_size(plan_module._size_at_most(n)) <= n
+        assert 0 < parse_size(round_size(n, up=False)) <= n
 
 
 def test_kv_room_counts_every_sequence_of_the_context(vaults):

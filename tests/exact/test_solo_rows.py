@@ -27,9 +27,9 @@ import pytest
 from smoe.bench.resident import fill_ring
 from smoe.compute import row_gemv
 from smoe.compute import solo_rows as solo_rows_module
-from smoe.compute.runner import SamplingParams
 from smoe.compute.solo_rows import CUDA, RowPieces, RowPiecesEmbedding, expert_call, solo_rows
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.convert import ConvertOptions, convert
 from tests.conftest import make_hf_checkpoint
 from tests.exact.test_batching import batched_decode, prompts, solo_decode
@@ -135,14 +135,14 @@ async def test_a_batched_pass_keeps_every_call_in_its_solo_kernel_class(vaults, 
     calls = Calls(monkeypatch)
     vault = vaults(2, backbone_bits=8, tied=False)
     async with Engine.open(vault.path, solo_rows=True, cpu_kernels="mlx") as engine:
-        assert engine.rules == CPU_RULES
+        assert engine.debug.runner.rules == CPU_RULES
         got = await _batched_calls(engine, calls)
         nine = await _batched_calls(engine, calls, n=9)  # attention's projections: 7 + 2
     assert got["gather_qmm"] and max(got["gather_qmm"]) < VECTOR_BELOW
     assert got["quantized_matmul"] and max(got["quantized_matmul"]) < VECTOR_BELOW
     assert max(nine["quantized_matmul"]) == VECTOR_BELOW - 1
     async with Engine.open(vault.path, solo_rows=False, cpu_kernels="mlx") as engine:
-        assert engine.rules is None
+        assert engine.debug.runner.rules is None
         plain = await _batched_calls(engine, calls)
     assert max(plain["gather_qmm"]) >= VECTOR_BELOW  # 4 sequences x 2 ranks x ... rows
 
@@ -171,7 +171,7 @@ async def test_float_dense_calls_and_a_tied_head_keep_lone_row_kernels(vaults, m
     async with Engine.open(
         vault.path, solo_rows=True, lookahead=False, cpu_kernels="mlx"
     ) as engine:
-        assert engine.rules == CUDA
+        assert engine.debug.runner.rules == CUDA
         pieces = await _batched_calls(engine, calls)
     assert set(pieces["float_dense"]) == {1} and "row_kernel" not in pieces
     async with Engine.open(
@@ -354,7 +354,7 @@ async def test_batched_equals_solo_bit_for_bit_through_the_pieces(arch, hf_dir, 
     top_k = vault.manifest.shape.experts_per_token
     for ring in (dict(slots=top_k), {}):
         async with Engine.open(vault.path, solo_rows=True, **ring, cpu_kernels="mlx") as engine:
-            assert engine.debug.runner.batchable and engine.rules == CPU_RULES
+            assert engine.debug.runner.batchable and engine.debug.runner.rules == CPU_RULES
             solo = [await solo_decode(engine, p, STEPS) for p in prompts()]
             batched = await batched_decode(engine, prompts(), STEPS)
         for row in range(len(solo)):

@@ -221,7 +221,7 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, ring, mode
     if ring == "resident":
         slots = vault.manifest.num_records
     async with Engine.open(vault.path, slots=slots, **ENGINE) as engine:
-        assert engine.max_batch == 8 and engine.rules is not None
+        assert engine.plan.max_batch == 8 and engine.debug.runner.rules is not None
         if ring == "resident":
             await fill_ring(engine)
         solo = [await generate(engine, p, 24) for p in prompts]
@@ -265,7 +265,7 @@ async def test_a_batch_of_eight_equals_each_request_alone(arch, bits, ring, mode
 async def test_drafts_equal_plain_decode(arch, bits, models):
     """--draft ngram's greedy tokens equal plain decode's, and so do an oracle's (each
     verify pass given plain decode's own next 4 tokens: all accepted), at a quarter ring."""
-    from smoe.compute.runner import SamplingParams
+    from smoe.sampling import SamplingParams
 
     if bits == 16 and not CUDA:
         pytest.skip("MLX's CPU gather_mm computes float32 only")

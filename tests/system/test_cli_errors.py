@@ -210,14 +210,37 @@ def test_sampling_flags_no_reply_could_use_are_refused_at_start(run_cli, argv, n
         (["serve", "--max-connections", "0"], "--max-connections at least 1"),
         (["serve", "--prefix-cache-dir", "/etc/hostname"], "is a file; name a directory"),
         (["serve", "--request-memory", "1MB"], "--request-memory must be at least"),
-        (["serve", "--request-memory", "lots"], "--request-memory"),
-        (["serve", "--prefix-cache-disk", "lots"], "--prefix-cache-disk"),
     ],
 )
 def test_serve_refuses_what_would_silently_change(run_cli, argv, needle):
     """Issue 30: before loading anything, one line, exit 1."""
     code, _, err = run_cli(*argv)
     assert_clean_error(code, err, needle)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--request-memory", "lots"],
+        ["serve", "--prefix-cache-disk", "lots"],
+        ["serve", "--prefix-cache", "lots"],
+        ["generate", "V", "--prompt-ids", "1", "--memory", "lots"],
+        ["chat", "--host-memory", "lots"],
+        ["plan", "V", "--memory", "lots"],
+    ],
+)
+def test_a_size_that_cannot_be_read_is_a_usage_error(run_cli, capsys, argv):
+    """Every size flag is read once, by argparse (issue 52): its usage and one error line
+    naming the flag and how to write a size, exit 2, before anything else is looked at."""
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(*argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"usage: smoe {argv[0]} ")
+    flag = argv[-2]
+    assert err.splitlines()[-1] == (
+        f"smoe {argv[0]}: error: argument {flag}: cannot read size 'lots'; write it like "
+        "6GB, 512MB or 1.5GiB"
+    )
 
 
 def test_a_port_in_use_is_one_line_before_loading(run_cli):

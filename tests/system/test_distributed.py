@@ -108,10 +108,10 @@ async def test_a_group_of_one_computes_what_the_plain_engine_does(vault):
         want = await engine.logits(prompt)
         want_tokens = await engine_generate(engine, prompt, 6)
     async with Engine.open(vault.path, slots=6, distributed="any") as engine:
-        assert engine.ranks is not None and engine.ranks.size == 1
+        assert engine.group.distributed and engine.group.size == 1
         assert np.array_equal(await engine.logits(prompt), want)
         assert await engine_generate(engine, prompt, 6) == want_tokens
-        io = await engine.rank_stats()
+        io = await engine.group.rank_stats()
         assert [r["rank"] for r in io] == [0] and io[0][
             "experts_owned"
         ] == vault.manifest.num_records

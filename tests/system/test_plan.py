@@ -230,7 +230,8 @@ def test_plan_and_the_run_make_one_ring_on_a_vault_and_a_download(
 
 def test_the_engine_and_smoe_plan_make_one_planning_call(vault, monkeypatch):
     """Where the ring is sized is one function (issue 29): Engine.open and `smoe plan`
-    both call smoe.plan.plan.plan, with the same options, and get the same Plan."""
+    both call smoe.plan.plan.assess (the engine through plan, which refuses what does not
+    fit), with the same options, and get the same Plan."""
     import smoe.engine.core as core
     import smoe.forecast.planner as planner
     import smoe.plan.plan as plan_module
@@ -238,11 +239,11 @@ def test_the_engine_and_smoe_plan_make_one_planning_call(vault, monkeypatch):
     made = []
 
     def spy(model, options, workers, batchable=False):
-        made.append(plan_module.plan(model, options, workers, batchable))
+        made.append(plan_module.assess(model, options, workers, batchable))
         return made[-1]
 
     monkeypatch.setattr(core, "plan_engine", spy)
-    monkeypatch.setattr(planner, "plan", spy)
+    monkeypatch.setattr(planner, "assess", spy)
     memory = "1GB"
 
     async def both():

@@ -10,9 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from smoe.compute.runner import SamplingParams
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.serve.app import ServerOptions
 from tests.conftest import tiny_vault
 from tests.fakes import FailingReads
@@ -218,10 +218,10 @@ async def test_a_failing_generation_is_reported_not_dropped(vault, caplog):
 @pytest.mark.parametrize("prewarm", [True, False])
 async def test_an_idle_server_prewarms_the_ring(vault, monkeypatch, prewarm):
     """At start and when the last request leaves, the server reads the hottest experts into
-    empty slots (engine.prewarm); --no-prewarm turns that off."""
+    empty slots (engine.learning.prewarm); --no-prewarm turns that off."""
     async with Engine.open(vault.path) as engine:
         calls = []
-        monkeypatch.setattr(engine, "prewarm", lambda: calls.append("prewarm") or 0)
+        monkeypatch.setattr(engine.learning, "prewarm", lambda: calls.append("prewarm") or 0)
         async with Running(engine, ServerOptions(prewarm_when_idle=prewarm)) as srv:
             await srv.client().completions.create(model="smoe", prompt=[5, 6, 7], max_tokens=2)
             await engine.debug.batcher.wait_idle()

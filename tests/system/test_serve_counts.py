@@ -47,11 +47,11 @@ async def test_hits_count_once_every_expert_is_resident(vault):
     ):
         layers = len(vault.manifest.layers)
         for i in range(20):  # read the whole model in: then it is pinned for good
-            if engine.slots.all_resident(layers):
+            if engine.debug.slots.all_resident(layers):
                 break
             async for _ in engine.generate(f"warm {i}", 4, temperature=1.0, seed=i):
                 pass
-        assert engine.slots.all_resident(layers), "the premise: the ring holds every expert"
+        assert engine.debug.slots.all_resident(layers), "the premise: the ring holds every expert"
         before = json.loads(await get(http, srv.base + "/v1/smoe/stats"))["scheduler"]
         stats = None
         async for event in engine.generate("In the beginning", 8):

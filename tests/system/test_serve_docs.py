@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.serve.app import ServerOptions
 from smoe.serve.listener import base_urls
 from tests.conftest import tiny_vault

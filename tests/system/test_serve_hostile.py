@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-import smoe.serve.app as app_module
+import smoe.serve.pipeline as pipeline_module
 import smoe.serve.prompt as prompt_module
 from smoe.engine import Engine
 from smoe.serve.app import Server, ServerOptions
@@ -118,12 +118,12 @@ async def test_cors_for_the_origins_let_in(vault):
 async def test_a_stream_dropped_before_its_headers_is_one_499_line(vault, caplog, monkeypatch):
     """The client is gone when the server opens the stream: aiohttp raises
     ConnectionResetError from ``prepare`` (forced here, at that exact point)."""
-    opened = app_module.open_stream
+    opened = pipeline_module.open_stream
 
     async def gone(*args, **kw):
         raise ConnectionResetError("Cannot write to closing transport")
 
-    monkeypatch.setattr(app_module, "open_stream", gone)
+    monkeypatch.setattr(pipeline_module, "open_stream", gone)
     caplog.set_level(logging.INFO, logger="smoe.serve.access")
     async with (
         Engine.open(vault.path) as engine,
@@ -133,7 +133,7 @@ async def test_a_stream_dropped_before_its_headers_is_one_499_line(vault, caplog
         body = {"messages": MESSAGES, "max_tokens": 2, "stream": True}
         async with http.post(srv.base + CHAT, json=body) as r:  # (the fake: still there)
             assert r.status == 499
-        monkeypatch.setattr(app_module, "open_stream", opened)
+        monkeypatch.setattr(pipeline_module, "open_stream", opened)
         async with http.post(srv.base + CHAT, json=body) as r:  # and it keeps serving
             assert r.status == 200 and b"[DONE]" in await r.read()
     lines = [r.getMessage() for r in caplog.records if r.name == "smoe.serve.access"]

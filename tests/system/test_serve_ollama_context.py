@@ -11,8 +11,8 @@ from typing import Any
 import openai
 import pytest
 
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.serve.app import ServerOptions
 from tests.conftest import tiny_vault
 from tests.serving import Running

@@ -15,11 +15,13 @@ import aiohttp
 import jinja2
 import pytest
 
-from smoe.compute.runner import SamplingParams, Sequence_, common_prefix
+from smoe.compute.sequence import Sequence_
 from smoe.engine import Engine
 from smoe.engine.conversation import REPLY_MARK, follow_up_prompt
+from smoe.sampling import SamplingParams
 from smoe.serve.app import Server, ServerOptions
 from smoe.serve.prefix import ChatReply, PrefixCache
+from smoe.util.tokens import common_prefix
 from tests import serving
 from tests.conftest import tiny_vault
 
@@ -245,14 +247,13 @@ async def test_a_reply_the_model_ended_is_continued_without_its_end(vault, monke
 
 
 async def test_what_is_kept_of_a_reply(vault):
-    """``Server._reply``: the ids of the text the client got, the end-of-turn id when the
+    """``kept_reply``: the ids of the text the client got, the end-of-turn id when the
     model ended the turn; nothing where the stream does not hold those ids."""
-    from smoe.serve.prompt import Turn as _Turn
+    from smoe.serve.prefix import kept_reply
 
     async with Engine.open(vault.path) as engine:
         tok = engine.tokenizer
-        server = Server(engine, ServerOptions())
-        turn = _Turn(list(USER))
+        messages = list(USER)
         ids = [1, 5, 6, 7]
         gen = list(tok.encode("Hello there", add_special_tokens=False))
         text = tok.decode(gen)
@@ -260,7 +261,7 @@ async def test_what_is_kept_of_a_reply(vault):
 
         def kept(tokens, generated=gen, text=text, ended=False, cut=False):
             seq = Sequence_(cache=[], tokens=list(tokens))
-            r = server._reply(turn, ids, seq, generated, text, ended, cut)
+            r = kept_reply(tok, messages, ids, seq, generated, text, ended, cut)
             return None if r is None else (r.end, r.text, r.messages)
 
         assert kept([*ids, *gen]) == (len(ids) + len(gen), text, USER)

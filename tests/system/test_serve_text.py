@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
 from smoe.engine.requests import TextStream
+from smoe.sampling import SamplingParams
 from smoe.serve.app import ServerOptions
 from tests.conftest import tiny_vault
 from tests.serving import Running

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.serve.app import ServerOptions
 from smoe.serve.tools import ToolCallSplitter
 from tests.serving import Running

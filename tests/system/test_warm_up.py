@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     async def main():
         async with Engine.open(vault) as engine:
             if warm:
-                await engine.warm_up(**SAMPLING)
+                await engine.learning.warm_up(**SAMPLING)
             before = kernels()
             conv = engine.conversation()
             async for _ in conv.send("Who was Moses?", max_tokens=8, **SAMPLING):
@@ -77,7 +77,7 @@ async def test_a_warm_up_reads_a_few_tokens_experts_and_counts_no_popularity():
         session = engine.debug.popularity.session.copy()
         sched = engine.stats().scheduler
         before = sched.bytes_read()
-        seconds = await engine.warm_up(temperature=0.7, seed=1)
+        seconds = await engine.learning.warm_up(temperature=0.7, seed=1)
         read = sched.bytes_read() - before
         m = engine.vault.manifest
         one_token = m.shape.experts_per_token * len(m.shape.moe_layers) * m.record.stride

@@ -114,14 +114,14 @@ def test_a_damaged_cache_entry_is_measured_afresh(vault, tmp_path):
 @pytest.mark.asyncio
 async def test_an_engine_opened_with_auto_workers_reads_with_the_disks_count(vault, monkeypatch):
     async with Engine.open(vault.path, device="cpu") as engine:  # a small model: not probed
-        assert engine.workers == DEFAULT_WORKERS and engine.workers_line is None
+        assert engine.debug.reader.workers == DEFAULT_WORKERS and engine.start_lines == []
     monkeypatch.setattr(probe, "AUTO_PROBE_MIN_BYTES", 1)
     fake_disk(monkeypatch, {1: 1.0, 2: 1.99, 4: 2.0, 8: 2.0, 16: 2.0})
     async with Engine.open(vault.path, device="cpu") as engine:
-        assert engine.workers == 2 and engine.reader.workers == 2
-        assert engine.workers_line is not None and engine.workers_line.startswith("2 I/O workers")
+        assert engine.debug.reader.workers == 2
+        assert [line[:13] for line in engine.start_lines] == ["2 I/O workers"]
     async with Engine.open(vault.path, device="cpu", workers=3) as engine:  # asked: kept
-        assert engine.workers == 3 and engine.workers_line is None
+        assert engine.debug.reader.workers == 3 and engine.start_lines == []
 
 
 def test_the_workers_option_takes_auto_or_a_number():

@@ -10,11 +10,11 @@ import signal
 import numpy as np
 import pytest
 
-from smoe.compute.runner import common_prefix
 from smoe.compute.worker import RESIDENT
 from smoe.engine import Engine
 from smoe.errors import SmoeError
 from smoe.synth import synthesize
+from smoe.util.tokens import common_prefix
 from smoe.vault.convert import ConvertOptions, convert
 
 pytestmark = pytest.mark.asyncio

@@ -266,8 +266,8 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
     per-step decode logits stay bit-identical."""
     import mlx.core as mx
 
-    from smoe.compute.runner import SamplingParams
     from smoe.compute.tracing import forward_pass
+    from smoe.sampling import SamplingParams
     from smoe.sched.types import Priority
 
     async def decode_logits(engine):
@@ -291,8 +291,8 @@ async def test_gate_echo_bets_change_no_bit(vault, slots):
         expected = await decode_logits(plain)
     async with Engine.open(vault.path, slots=slots, spec=4) as betting:
         got = await decode_logits(betting)
-        spec_reads = betting.scheduler.stats.by_priority[Priority.SPECULATIVE].reads
-        betting.scheduler.check_invariants()
+        spec_reads = betting.debug.scheduler.stats.by_priority[Priority.SPECULATIVE].reads
+        betting.debug.scheduler.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(expected, got, strict=True))
     assert spec_reads > 0  # the bets really ran
 

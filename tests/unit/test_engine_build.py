@@ -62,7 +62,7 @@ async def test_parts_close_in_order(vault, closes):
     assert not engine.is_open and engine.debug.runner is None
     await engine.aclose()  # idempotent
     with pytest.raises(Exception, match="not open"):
-        _ = engine.runner
+        engine.debug.parts()
 
 
 @pytest.mark.asyncio

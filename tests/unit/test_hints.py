@@ -39,7 +39,7 @@ async def _run(vault, policy: str, *, tokens: int = 40, lookahead: bool = False,
         vault, slots=SLOTS, policy=policy, lookahead=lookahead, **options
     ) as engine:
         ids = engine.encode(PROMPT)
-        engine.start_recording(DEPTH)
+        engine.learning.start_recording(DEPTH)
         logits = await engine.logits(ids)
         out = []
         async for event in engine.generate(
@@ -47,7 +47,7 @@ async def _run(vault, policy: str, *, tokens: int = 40, lookahead: bool = False,
         ):
             if event.token is not None:
                 out.append(event.token)
-        archive = engine.stop_recording()
+        archive = engine.learning.stop_recording()
         return logits, out, archive, engine.stats().scheduler, engine.debug.tracer
 
 

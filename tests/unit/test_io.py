@@ -25,8 +25,7 @@ import pytest
 from smoe.errors import SmoeError
 from smoe.io import BufferedIOWarning, DirectReader, StagedRing, VaultReadError, open_direct
 from smoe.io import UnifiedRing as Ring
-from smoe.io.ring import slots_for_budget, suggest_size
-from smoe.util.sizes import parse_size
+from smoe.util.sizes import parse_size, round_size, slots_for_budget
 from smoe.vault.convert import ConvertOptions, convert
 from smoe.vault.export import read_layer
 from smoe.vault.format import Vault
@@ -142,21 +141,18 @@ def test_ring_allocates_its_size_once_and_views_allocate_nothing(q4):
     assert mx.get_active_memory() - before <= -size  # freed with the ring
 
 
-def test_budgets_size_the_ring_and_name_the_minimum():
+def test_budgets_size_the_ring_and_suggest_round_sizes():
+    """The one count of slots a budget holds (with --memory and without: whether that is
+    enough is the plan's, tests/unit/test_budget.py), and the one round size suggested."""
     layout = RecordLayout.build([("w", "uint8", (RECORD_ALIGN * 3,))])
     stride = layout.stride
-    assert slots_for_budget("200KB", stride, 2) == 200_000 // (3 * RECORD_ALIGN)
-    assert slots_for_budget(10**6, stride, 2, max_slots=3) == 3
+    assert slots_for_budget(parse_size("200KB"), stride) == 200_000 // (3 * RECORD_ALIGN)
+    assert slots_for_budget(10**6, stride, max_slots=3) == 3
+    assert slots_for_budget(stride - 1, stride) == 0 == slots_for_budget(-stride, stride)
 
     big = RecordLayout.build([("w", "uint8", (648 * RECORD_ALIGN,))])  # stride 10.62 MB
-    with pytest.raises(SmoeError) as e:
-        slots_for_budget("50MB", big.stride, 8, reason="one layer's top-8")
-    assert str(e.value) == (
-        "a memory budget of 50MB holds 4 expert slots of 10.62 MB; one layer's top-8 needs "
-        "at least 8 slots = 84.93 MB: use --memory 85MB or more"
-    )
-    with pytest.raises(SmoeError, match="budget of 1.00 KB holds 0 expert slots"):
-        slots_for_budget(1000, big.stride, 1)
+    assert round_size(8 * big.stride) == "85MB"  # 84.93 MB
+    assert round_size(4_290_000_000, up=False) == "4.2GB"
     rng = random.Random(0)
     for n in [
         1,
@@ -168,8 +164,9 @@ def test_budgets_size_the_ring_and_name_the_minimum():
         1_234_567_890,
         *(rng.randrange(10**13) for _ in range(200)),
     ]:
-        s = suggest_size(n)
+        s = round_size(n)
         assert n <= parse_size(s) <= n * 1.1 + 1000, (n, s)
+        assert parse_size(round_size(n, up=False)) <= n
 
 
 @pytest.mark.parametrize("kind", ["q4", "float", "q8-gptoss"])

@@ -60,12 +60,12 @@ async def test_prewarm_fills_only_empty_slots_and_changes_no_bit(vault):
         await engine.logits(list(range(5, 40)))  # history
         expected = await engine.logits(prompt)
     async with Engine.open(vault.path, slots=10) as engine:
-        queued = engine.prewarm()
+        queued = engine.learning.prewarm()
         assert queued == 10  # an empty ring: every slot gets a hot expert
         await drain(engine)
         hot = engine.debug.popularity.hottest(10)
         assert all(engine.debug.scheduler.state_of(k) is SlotState.READY for k in hot)
-        assert engine.prewarm() == 0  # the ring is full: pre-warm never evicts
+        assert engine.learning.prewarm() == 0  # the ring is full: pre-warm never evicts
         assert np.array_equal(await engine.logits(prompt), expected)
 
 
@@ -81,7 +81,7 @@ async def test_prewarm_of_a_ring_that_holds_the_model_makes_it_resident(vault):
         assert engine.debug.runner.built_ahead == 0
     (vault.path / "stats" / "popularity.npz").unlink()  # no history to go by
     async with Engine.open(vault.path, slots=every) as engine:
-        assert engine.prewarm() == every
+        assert engine.learning.prewarm() == every
         await drain(engine)
         assert engine.stats().ring.filled == every
         warm = [e.token async for e in engine.generate(prompt, max_tokens=6) if e.token is not None]
@@ -93,7 +93,7 @@ async def test_demand_drops_queued_prewarm(vault):
     async with Engine.open(vault.path, slots=10, workers=1) as engine:
         await engine.logits(list(range(5, 40)))
     async with Engine.open(vault.path, slots=10, workers=1) as engine:
-        engine.prewarm()
+        engine.learning.prewarm()
         assert engine.debug.scheduler.queue_depth(Priority.SPECULATIVE) > 0
         task = asyncio.get_running_loop().create_task(engine.logits([7, 8, 9]))
         await asyncio.sleep(0)  # let the request start

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import smoe.plan.ring as ring_module
-from smoe.compute.runner import SamplingParams
 from smoe.engine import Engine
+from smoe.sampling import SamplingParams
 from smoe.vault.convert import ConvertOptions, convert
 from tests.conftest import make_hf_checkpoint
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from smoe.compute import timeline as timeline_mod
-from smoe.compute.runner import Runner, SamplingParams
+from smoe.compute.runner import Runner
 from smoe.compute.timeline import StepTime, StepTimeline
+from smoe.sampling import SamplingParams
 from tests.exact.test_build_ahead import PROMPT, make_model
 
 

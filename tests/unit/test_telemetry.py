@@ -28,9 +28,9 @@ async def test_archive_records_exact_routing_and_gate_order(vault, tmp_path):
         engine.debug.tracer.observers.on_routing = lambda layer, idx: used.append(
             (layer, idx.copy())
         )
-        engine.start_recording(depth=6)
+        engine.learning.start_recording(depth=6)
         assert np.array_equal(await engine.logits(prompt), expected_logits)  # no effect
-        archive = engine.stop_recording()
+        archive = engine.learning.stop_recording()
         engine.debug.tracer.observers.on_routing = None
     k = vault.manifest.shape.experts_per_token
     assert archive.ranks.shape == (len(prompt), len(vault.manifest.layers), 6)
@@ -55,10 +55,10 @@ async def test_archive_records_exact_routing_and_gate_order(vault, tmp_path):
 @pytest.mark.asyncio
 async def test_decode_steps_are_their_own_batches(vault):
     async with Engine.open(vault.path) as engine:
-        engine.start_recording(depth=4)
+        engine.learning.start_recording(depth=4)
         async for _ in engine.generate([5, 6, 7, 8], max_tokens=5, stop_at_eos=False):
             pass
-        archive = engine.stop_recording()
+        archive = engine.learning.stop_recording()
     assert archive.phase.tolist() == [PREFILL] * 3 + [DECODE] * 5
     assert archive.batch.tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
 
@@ -66,10 +66,10 @@ async def test_decode_steps_are_their_own_batches(vault):
 @pytest.mark.asyncio
 async def test_archive_records_the_lookahead_and_older_archives_still_load(vault, tmp_path):
     async with Engine.open(vault.path, slots=4) as engine:
-        engine.start_recording(depth=6)
+        engine.learning.start_recording(depth=6)
         async for _ in engine.generate([5, 6, 7, 8], max_tokens=5, stop_at_eos=False):
             pass
-        archive = engine.stop_recording()
+        archive = engine.learning.stop_recording()
     assert archive.ahead is not None and archive.ahead.shape == archive.ranks.shape
     assert (archive.ahead[:, 0] == NO_EXPERT).all()  # nothing predicts the first MoE layer
     rows = archive.ahead[:, 1:].reshape(-1, 6)
