@@ -3,7 +3,8 @@
     python bench/compare_commits.py OLD_COMMIT --rounds 3 -- bench decode V --budgets 25%
 
 The old commit is checked out into a temporary git worktree and run with PYTHONPATH
-pointing at it; the new side is this working tree. Rounds alternate old/new and new/old
+pointing at it, with S-MoE's compiled CPU kernels (this tree's where their sources match,
+else built there); the new side is this working tree. Rounds alternate old/new and new/old
 (ABBA), so drift in the machine hits both alike. ``--metric`` names the figures to pull
 from each run's JSON (dotted paths; ``runs.*.decode_tok_s`` takes a list); the report
 gives every round's values and the median ratio new / old per figure.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,24 @@ def pick(report: Any, path: str) -> list[float]:
                 nxt.append(v[int(part)] if isinstance(v, list) else v[part])
         values = nxt
     return [float(v) for v in values]
+
+
+def give_native_kernels(old_tree: Path, old: str) -> None:
+    """The old side computes with S-MoE's CPU kernels too (a built extension is not in
+    git): this tree's build where the kernels' sources match, else one built there."""
+    same = subprocess.run(
+        ["git", "diff", "--quiet", old, "--", "csrc", "setup.py"], cwd=ROOT, check=False
+    )
+    if same.returncode == 0:
+        for built in (ROOT / "smoe").glob("_*.so"):
+            shutil.copy2(built, old_tree / "smoe" / built.name)
+        return
+    subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=old_tree,
+        check=True,
+        capture_output=True,
+    )
 
 
 def run_side(tree: Path, args: list[str]) -> dict[str, Any]:
@@ -75,6 +95,7 @@ def main() -> int:
             capture_output=True,
         )
         try:
+            give_native_kernels(old_tree, a.old)
             values: dict[str, dict[str, list[list[float]]]] = {
                 m: {"old": [], "new": []} for m in a.metric
             }
