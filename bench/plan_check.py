@@ -46,7 +46,7 @@ async def measure(
     tokens = args.tokens
     options: dict[str, Any] = {"device": args.device, "workers": args.workers, "max_batch": 1}
     async with Engine.open(vault.path, memory=memory, **options) as engine:
-        assert engine.fit is not None
+        assert engine.plan.ring.fit is not None
         chunk = engine.options.prefill_chunk
         if engine.debug.ring.num_slots >= vault.manifest.num_records:
             await fill_ring(engine)

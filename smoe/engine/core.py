@@ -37,7 +37,6 @@ from smoe.engine.stats import EngineInternals, EngineStats, engine_stats
 from smoe.errors import SmoeError, VaultError
 from smoe.io import disk_probe
 from smoe.io.disk_probe import DEFAULT_WORKERS
-from smoe.plan.budget import Fit
 from smoe.plan.options import EngineOptions
 from smoe.plan.plan import Plan
 from smoe.plan.plan import plan as plan_engine
@@ -77,7 +76,6 @@ class Engine:
         self._group: Group | None = None  # collectives and leading, while open
         self._stack = contextlib.AsyncExitStack()  # every part's way down (``aclose``)
         self._plan: Plan | None = None
-        self.fit: Fit | None = None  # how a whole-process --memory divided (smoe.plan.budget)
         self.dtype: Any = None  # the compute dtype (an mx.Dtype), once open
         self.max_context = 0  # tokens a sequence may hold, once open
         # I/O threads: options.workers, or the disk's choice when the engine opens
@@ -111,9 +109,8 @@ class Engine:
         if self.options.workers is None:
             self._workers, workers_line = await self._auto_workers()
         plan = self._check_and_plan()
-        self.fit = plan.ring.fit
-        if self.fit is not None:
-            self.start_lines.append(self.fit.line())
+        if plan.ring.fit is not None:  # how a whole-process --memory divided
+            self.start_lines.append(plan.ring.fit.line())
         if plan.host_tier.images:
             self.start_lines.append(
                 f"{plan.host_tier.line()} beside a ring of {plan.ring.slots:,} (misses it "
@@ -151,9 +148,10 @@ class Engine:
         """Under a budget on the CPU, MLX's buffer cache capped at what working memory
         counts for it (``Fit.cache``; MLX's default is 32 MB whatever the budget), until
         the engine closes (docs/plan.md). A GPU's cache is left as MLX sets it."""
-        if self.fit is None or plan.device.gpu:
+        fit = plan.ring.fit
+        if fit is None or plan.device.gpu:
             return
-        previous = limit_mlx_cache(self.fit.cache)
+        previous = limit_mlx_cache(fit.cache)
         self._stack.callback(limit_mlx_cache, previous)
 
     def _check_shard_alone(self) -> None:
@@ -240,9 +238,12 @@ class Engine:
         return self._group
 
     @property
-    def plan(self) -> Plan | None:
-        """What the engine was planned to be when it opened (device, dtype, context, ring,
-        host tier); None before."""
+    def plan(self) -> Plan:
+        """What the engine was planned to be when it opened (device, dtype, context, batch,
+        ring and how ``--memory`` divided: ``plan.ring.fit``, host tier); SmoeError before
+        it opens."""
+        if self._plan is None:
+            raise SmoeError("the engine is not open: use 'async with Engine.open(...) as engine'")
         return self._plan
 
     @property
@@ -261,11 +262,6 @@ class Engine:
     def queued(self) -> int:
         """Requests submitted and not yet admitted to the batch (a server's queue)."""
         return self._open_parts().batcher.queued
-
-    @property
-    def on_gpu(self) -> bool:
-        """Whether the engine computes on a GPU (known once it opens)."""
-        return self._plan is not None and self._plan.device.gpu
 
     def stats(self) -> EngineStats:
         """What the engine is doing now: the scheduler's counters, the ring, the read
@@ -295,11 +291,11 @@ class Engine:
 
         from smoe.compute.native import arithmetic
 
-        device = mx.gpu if self.on_gpu else mx.cpu
+        device = mx.gpu if self._plan is not None and self._plan.device.gpu else mx.cpu
         return arithmetic(device, self._native_installed, self.options.cpu_kernels == "mlx")
 
     # ---------------------------------------------------------------- API
-    def check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
+    def _check_prompt(self, tokens: Sequence[int], extra: int = 0) -> list[int]:
         """``tokens`` as a list, or SmoeError if the engine is closed, the prompt is empty,
         an id is outside the vocabulary, or the prompt plus ``extra`` tokens would not fit
         the context."""
@@ -340,7 +336,7 @@ class Engine:
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, numpy float32 [T, vocab]. No effect on later calls other
         than which experts the ring happens to hold."""
-        ids = self.check_prompt(token_ids)
+        ids = self._check_prompt(token_ids)
         self.group.refuse_while_leading("teacher-forced logits")
         await self._backbone_checked()
         parts = self._open_parts()
@@ -412,7 +408,7 @@ class Engine:
         ``logit_bias`` id outside the vocabulary. ``max_tokens`` 0: the prompt is
         prefilled, its log-probabilities given where ``params`` ask, and the stream ends
         ("length")."""
-        ids = self.check_prompt(prompt, extra=max_tokens)
+        ids = self._check_prompt(prompt, extra=max_tokens)
         vocab = self.vault.manifest.shape.vocab_size
         outside = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if outside:

@@ -232,7 +232,7 @@ def routes(ctx: ServeContext) -> list[web.RouteDef]:
         """Ollama's /api/ps: the model in memory (one, loaded for good), and its memory:
         the backbone and the ring (a GPU's, as VRAM, where the ring is device memory)."""
         model = await anyio.to_thread.run_sync(_model, ctx)
-        fit = engine.fit
+        fit = engine.plan.ring.fit
         size = fit.total if fit is not None else engine.stats().ring.nbytes
         return web.json_response(
             {
@@ -244,7 +244,7 @@ def routes(ctx: ServeContext) -> list[web.RouteDef]:
                         "digest": "",
                         "details": model["details"],
                         "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
-                        "size_vram": size if engine.on_gpu else 0,
+                        "size_vram": size if engine.plan.device.gpu else 0,
                         "context_length": engine.max_context,
                     }
                 ]

@@ -502,7 +502,9 @@ async def test_the_readers_bounce_buffers_are_in_the_whole_process_budget(source
     budget = working(source, "staged") + 60 * 10**6
     async with Engine.open(folder, memory=budget, workers=3, max_batch=1) as engine:
         kind = engine.debug.ring.kind
-        assert engine.fit is not None and engine.fit.working == working(source, kind)
+        assert engine.plan.ring.fit is not None and engine.plan.ring.fit.working == working(
+            source, kind
+        )
         spare = engine.debug.reader.shards.spare  # what the reader allocated for its threads
         allocated = sum(b.base.nbytes if b.base is not None else b.nbytes for b in spare)
     assert working(source, kind) - working(vault, kind) == bounce_bytes(source, 3) == allocated

@@ -48,8 +48,8 @@ def _plan(run_cli, *args, exit_code: int = 0):
 
 async def _engine_fit(vault, memory):
     async with Engine.open(vault.path, memory=memory, max_batch=1, device="cpu") as engine:
-        assert engine.fit is not None
-        return engine.fit.to_json()
+        assert engine.plan.ring.fit is not None
+        return engine.plan.ring.fit.to_json()
 
 
 def test_plan_and_engine_pick_the_same_default_context(vault, run_cli):
@@ -198,7 +198,7 @@ async def _engine_ring(path, memory):
     """What the engine opens on ``path`` with ``memory`` (None: its default): the ring's
     slots, its context and its fit."""
     async with Engine.open(path, memory=memory, max_batch=1, device="cpu") as engine:
-        fit = engine.fit.to_json() if engine.fit is not None else None
+        fit = engine.plan.ring.fit.to_json() if engine.plan.ring.fit is not None else None
         return engine.stats().ring.slots, engine.max_context, fit
 
 

@@ -147,9 +147,11 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
     memory = needs.fixed + 5 * stride + stride // 2
     async with Engine.open(vault.path, memory=memory, max_batch=1) as engine:
         assert engine.stats().ring.slots == 5
-        assert engine.fit is not None and engine.fit.slots == 5
-        assert engine.fit.fixed == needs.fixed and engine.fit.total == memory
-        assert "-> ring" in engine.fit.line() and "5 experts" in engine.fit.line()
+        assert engine.plan.ring.fit is not None and engine.plan.ring.fit.slots == 5
+        assert engine.plan.ring.fit.fixed == needs.fixed and engine.plan.ring.fit.total == memory
+        assert (
+            "-> ring" in engine.plan.ring.fit.line() and "5 experts" in engine.plan.ring.fit.line()
+        )
     # KV for 8 sequences comes out of the budget too (8 rows of logits in working memory)
     needs8 = _needs(vault, max_batch=8)
     assert needs8.kv == 8 * needs.kv and needs8.working > needs.working
@@ -164,7 +166,7 @@ async def test_the_ring_gets_what_the_whole_budget_leaves(vault):
     assert plan8.fit is not None and plan8.slots == 7 and plan8.fit.kv == needs8.kv
     # --slots stays the explicit override (no budget division)
     async with Engine.open(vault.path, slots=3, memory=1) as engine:
-        assert engine.stats().ring.slots == 3 and engine.fit is None
+        assert engine.stats().ring.slots == 3 and engine.plan.ring.fit is None
 
 
 @pytest.mark.asyncio
@@ -185,8 +187,8 @@ async def test_mlx_keeps_no_more_freed_buffers_than_the_budget_counts(vault):
     callers = mx.set_cache_limit(123_456_789)
     try:
         async with Engine.open(vault.path, memory=memory, max_batch=1) as engine:
-            assert engine.fit is not None and engine.fit.cache == needs.cache
-            assert engine.fit.to_json()["allocator_cache_bytes"] == needs.cache
+            assert engine.plan.ring.fit is not None and engine.plan.ring.fit.cache == needs.cache
+            assert engine.plan.ring.fit.to_json()["allocator_cache_bytes"] == needs.cache
             assert mx.set_cache_limit(needs.cache) == needs.cache  # capped at the plan's
             await engine.logits(list(range(5, 200)))
             async for _ in engine.generate([5, 6, 7], max_tokens=4):
@@ -334,14 +336,20 @@ async def test_the_default_context_is_4096_and_halves_to_fit_the_budget(vault):
 
     assert Attention.of(vault.config()).max_context == 32768
     async with Engine.open(vault.path, memory=smallest(4096) + stride, max_batch=1) as e:
-        assert e.max_context == 4096 and e.fit is not None and e.fit.context == 4096
-        assert "4096 context by default" in e.fit.line()
+        assert (
+            e.max_context == 4096
+            and e.plan.ring.fit is not None
+            and e.plan.ring.fit.context == 4096
+        )
+        assert "4096 context by default" in e.plan.ring.fit.line()
     async with Engine.open(vault.path, memory=smallest(1024), max_batch=1) as e:
-        assert e.max_context == 1024 and e.fit is not None and e.fit.slots == top_k
+        assert (
+            e.max_context == 1024 and e.plan.ring.fit is not None and e.plan.ring.fit.slots == top_k
+        )
     with pytest.raises(SmoeError, match=r"1 x 512 context.*smallest that works is --memory"):
         async with Engine.open(vault.path, memory=smallest(512) - 1, max_batch=1):
             pass
     async with Engine.open(vault.path, memory=smallest(4096), max_context=300) as e:
-        assert e.max_context == 300 and "by default" not in e.fit.line()
+        assert e.max_context == 300 and "by default" not in e.plan.ring.fit.line()
     async with Engine.open(vault.path) as e:  # no --memory: the default context too
         assert e.max_context == 4096
