@@ -2,7 +2,9 @@
 
 - ``speed``: the speed model (pure): tokens per second from the plan, the disk and compute
   rates and the routing curves;
-- ``probe``: the compute probe (a few timed expert calls, cached per device);
+- ``probe``: the compute probe (an engine on the vault decodes a few short requests after
+  a warm-up; recorded per device, dtype, ring and host in the vault's stats);
+- ``workload``: what the probes and benchmarks run (a random prompt, a filled ring);
 - ``subject``: what is planned for (a vault, a download, a `--bits` preview) and the
   budget's parts beside the ring for it;
 - ``planner``: the assembly behind `smoe plan` (``make_plan``): the plan (smoe.plan), the
