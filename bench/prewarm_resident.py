@@ -4,7 +4,7 @@
     python bench/prewarm_resident.py [VAULT] [--rounds 2] [--tokens 64]
 
 Each round opens a fresh engine twice (default ring; it must hold every expert), the
-order alternating: one generates at once, the other pre-warms (``engine.prewarm``) and waits
+order alternating: one generates at once, the other pre-warms (``engine.learning.prewarm``) and waits
 for those reads first, as the REPL does while a person types. Prints JSON: decode tok/s of
 each run, whether it ran resident, and whether the tokens agree.
 """

@@ -103,7 +103,7 @@ async def follow_rank0(engine: Any) -> bool:
 
 
 async def warm_up(engine: Any, args: argparse.Namespace, **sampling: Any) -> None:
-    """Engine.warm_up, shown as one line on stderr; not on ranks (rank 0 drives them)."""
+    """Engine.learning.warm_up, shown as one line on stderr; not on ranks (rank 0 drives them)."""
     if not args.warm_up or engine.group.distributed:
         return
     print("warming up the kernels ... ", end="", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ changed since the last one:
   each continues);
 - the requests cancelled;
 - the sequences rank 0 has dropped;
-- a gather of every rank's I/O figures (``engine.rank_stats``, the server's /stats);
+- a gather of every rank's I/O figures (``engine.group.rank_stats``, the server's /stats);
 - or the end of the group.
 
 Each ``Follower`` applies the same changes to its own batcher, then runs the same
@@ -110,7 +110,7 @@ class Leader:
     ) -> None:
         self._exchange = exchange  # async: rank 0's message on every rank
         self.bell = bell  # rung before each message: the others wait for it at no cost
-        self._gather = gather  # async: every rank's I/O row (engine.rank_stats)
+        self._gather = gather  # async: every rank's I/O row (engine.group.rank_stats)
         self.sequences = sequences
         self._gathers: list[asyncio.Future[Any]] = []  # rank_stats calls waiting
         self.broken: BaseException | None = None

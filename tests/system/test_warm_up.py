@@ -1,4 +1,4 @@
-"""Engine.warm_up: MLX compiles the kernels a reply needs before anyone waits for it.
+"""Engine.learning.warm_up: MLX compiles the kernels a reply needs before anyone waits for it.
 
 On the CPU, MLX builds its fused kernels with the C++ compiler on first use and keeps them
 in TMPDIR/mlx/<version>/cpu. A fresh TMPDIR is a fresh machine, so a subprocess started with
