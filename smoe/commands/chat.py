@@ -44,10 +44,11 @@ async def _chat(args: argparse.Namespace) -> int:
         if await follow_rank0(engine):
             return 0
         chosen = f" ({model.origin})" if args.temp is None and args.top_p is None else ""
+        # At temperature 0 the likeliest token is taken: top_p plays no part then.
+        how = f", top_p {top_p:g}" if temperature else ("" if chosen else " (greedy)")
         print(
             f"loaded {model.vault} in {time.perf_counter() - start:.1f} s; computing in "
-            f"{dtype_note(engine)}; sampling at temperature {temperature:g}, top_p "
-            f"{top_p:g}{chosen}",
+            f"{dtype_note(engine)}; sampling at temperature {temperature:g}{how}{chosen}",
             file=sys.stderr,
         )
         await warm_up(engine, args, temperature=temperature, top_p=top_p, seed=args.seed)

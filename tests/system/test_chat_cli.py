@@ -102,7 +102,8 @@ def test_suggested_sampling_reads_generation_config_and_ignores_bad_values(tmp_p
 
 def test_the_start_line_says_where_the_sampling_came_from(tmp_path, run_cli, monkeypatch):
     """The start line says "the model's suggestion" only where generation_config.json asks
-    to sample; greedy decoding by default is named as such (it was labelled so too)."""
+    to sample; greedy decoding by default is named as such (it was labelled so too), and
+    at temperature 0 no top_p is named (it plays no part)."""
     import io
 
     from smoe.synth import synthesize
@@ -125,7 +126,12 @@ def test_the_start_line_says_where_the_sampling_came_from(tmp_path, run_cli, mon
     )
     assert said[1].endswith("(greedy: the model's generation_config.json does not sample)")
     none = "(greedy: the model suggests none, having no generation_config.json)"
-    assert said[2].endswith(f"temperature 0, top_p 1 {none}")
+    assert said[2].endswith(f"temperature 0 {none}")  # (top_p plays no part at 0)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    code, _, err = run_cli("chat", vault, "--no-warm-up", "--temp", "0", "--top-p", "0.9")
+    assert code == 0, err
+    asked = next(line for line in err.splitlines() if "sampling at" in line)
+    assert asked.endswith("sampling at temperature 0 (greedy)"), asked  # no top_p named
 
 
 def test_piped_chat_is_plain_lines(tmp_path):
